@@ -1,0 +1,40 @@
+# deltaserve: `make serve` starts the platform, `make test` runs the suite, `make bench` the benchmarks.
+# Each target installs what it needs into .venv (and, as root, the Debian packages).
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install serve test bench hf-env system-deps clean
+
+system-deps:
+	@if ! command -v redis-server >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing redis-server (apt)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
+	  else echo "warning: redis-server not found and not root: install it (apt-get install redis-server)"; fi; \
+	fi
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	@touch $@
+
+install: system-deps $(STAMP)
+
+hf-env:
+	bash scripts/hf_env.sh
+
+serve: install
+	$(VENV)/bin/deltaserve up
+
+test: install hf-env
+	$(PY) -m pytest -q
+
+bench: install hf-env
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) .venv-hf .pytest_cache

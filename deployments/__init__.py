@@ -1,0 +1,1 @@
+"""The serving platform: engine, Ray Serve deployments, ingresses and the CLI."""

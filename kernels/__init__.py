@@ -1,0 +1,1 @@
+"""Compute kernels for deltaserve (KDA linear attention, MoE, MXFP4)."""

@@ -1,0 +1,1 @@
+"""Network layers. Module attribute names follow the Hugging Face parameter names exactly."""

@@ -1,0 +1,136 @@
+"""Kimi Delta Attention: a gated delta-rule linear attention with a fixed-size state.
+
+Per token (H heads, head dim D = K = V)::
+
+    q, k, v = SiLU(causal_conv4(W x))            # depthwise short conv, tails carried
+    q, k    = l2norm(q), l2norm(k)                 # per head
+    g       = gate(f_b(f_a(x)))                    # log-space decay per key channel, [H, K]
+    beta    = sigmoid(b_proj(x))                   # [H]
+    S       = S * exp(g);  S += (beta k) ⊗ (v - kᵀS);  o = (q · D^-0.5)ᵀ S
+    out     = o_proj(RMSNorm(o) * sigmoid(output_gate(x)))
+
+The gate is Kimi-Linear's ``-exp(A_log) * softplus(g + dt_bias)`` or K3's lower-bound
+form ``lb * sigmoid(exp(A_log) * (g + dt_bias))``. The output gate is low rank
+(``g_b(g_a(x))``) or full rank (``g_proj``, K3).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.kda import chunk_kda, fused_recurrent_kda
+
+from ..config import ModelConfig
+from ..state import BatchLayout, StatePool
+from .norms import RMSNorm, gated_rms_norm
+
+
+def kda_gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
+    """Log-space decay from raw gate logits ``g [..., H, K]`` (fp32 out)."""
+    H, K = g.shape[-2:]
+    g = g.float() + dt_bias.float().view(H, K)
+    a = A_log.float().reshape(-1)[:H].view(H, 1)  # K3 stores A_log wider than H
+    if lower_bound is None:
+        return -a.exp() * F.softplus(g)
+    return lower_bound * torch.sigmoid(a.exp() * g)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x²) + eps) over the last dim, fp32 inside."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def causal_conv_packed(
+    x: torch.Tensor, weight: torch.Tensor, tails: torch.Tensor, layout: BatchLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU over packed sequences.
+
+    x: [T_total, C]; weight: [C, 1, W]; tails: [N, C, W-1] previous inputs (oldest first).
+    Returns (y [T_total, C], new tails [N, C, W-1]).
+    """
+    W = weight.shape[-1]
+    if layout.uniform:
+        n, L = layout.num_seqs, layout.lengths[0]
+        xx = torch.cat([tails.to(x.dtype), x.view(n, L, -1).transpose(1, 2)], dim=2)  # [N, C, W-1+L]
+        y = F.conv1d(xx, weight.to(x.dtype), groups=x.shape[-1])  # [N, C, L]
+        return F.silu(y).transpose(1, 2).reshape(n * L, -1), xx[:, :, -(W - 1):].float()
+    ys, new_tails = [], []
+    for i, (a, b) in enumerate(layout.spans):
+        xx = torch.cat([tails[i].to(x.dtype), x[a:b].t()], dim=1)[None]  # [1, C, W-1+L]
+        ys.append(F.conv1d(xx, weight.to(x.dtype), groups=x.shape[-1])[0].t())
+        new_tails.append(xx[0, :, -(W - 1):].float())
+    return F.silu(torch.cat(ys)), torch.stack(new_tails)
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        c = config.kda
+        hidden, P = config.hidden_size, c.proj_dim
+        self.layer_idx = layer_idx
+        self.num_heads, self.head_dim, self.lower_bound = c.num_heads, c.head_dim, c.gate_lower_bound
+        self.full_rank_gate = c.full_rank_gate
+        self.q_proj = nn.Linear(hidden, P, bias=False)
+        self.k_proj = nn.Linear(hidden, P, bias=False)
+        self.v_proj = nn.Linear(hidden, P, bias=False)
+        self.q_conv1d = nn.Conv1d(P, P, c.conv_kernel, groups=P, bias=False)
+        self.k_conv1d = nn.Conv1d(P, P, c.conv_kernel, groups=P, bias=False)
+        self.v_conv1d = nn.Conv1d(P, P, c.conv_kernel, groups=P, bias=False)
+        self.f_a_proj = nn.Linear(hidden, c.head_dim, bias=False)
+        self.f_b_proj = nn.Linear(c.head_dim, P, bias=False)
+        self.b_proj = nn.Linear(hidden, c.num_heads, bias=False)
+        if c.full_rank_gate:
+            self.g_proj = nn.Linear(hidden, P, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(hidden, c.head_dim, bias=False)
+            self.g_b_proj = nn.Linear(c.head_dim, P, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(1, 1, c.num_heads, 1))
+        self.dt_bias = nn.Parameter(torch.zeros(P))
+        self.o_norm = RMSNorm(c.head_dim, eps=config.rms_norm_eps)
+        self.o_proj = nn.Linear(P, hidden, bias=False)
+
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        return self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+
+    def forward(self, x: torch.Tensor, layout: BatchLayout, pool: StatePool) -> torch.Tensor:
+        """x: [T_total, hidden] packed tokens → [T_total, hidden]; updates the layer's slots in ``pool``."""
+        T, H, D = x.shape[0], self.num_heads, self.head_dim
+        i = pool.kda_index[self.layer_idx]
+        tails = pool.conv_state[i].index_select(0, layout.slot_index)  # [N, 3, P, W-1]
+        if layout.fresh:
+            tails = torch.zeros_like(tails)
+        q, tq = causal_conv_packed(self.q_proj(x), self.q_conv1d.weight, tails[:, 0], layout)
+        k, tk = causal_conv_packed(self.k_proj(x), self.k_conv1d.weight, tails[:, 1], layout)
+        v, tv = causal_conv_packed(self.v_proj(x), self.v_conv1d.weight, tails[:, 2], layout)
+        with torch.no_grad():
+            pool.conv_state[i].index_copy_(0, layout.slot_index, torch.stack([tq, tk, tv], dim=1).detach())
+        q = l2norm(q.view(1, T, H, D))
+        k = l2norm(k.view(1, T, H, D))
+        v = v.view(1, T, H, D)
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(1, T, H, D), self.A_log, self.dt_bias, self.lower_bound)
+        beta = torch.sigmoid(self.b_proj(x).float()).view(1, T, H)
+        if layout.is_decode:
+            o, _ = fused_recurrent_kda(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.transpose(0, 1), beta.transpose(0, 1),
+                initial_state=pool.kda_state[i], ssm_state_indices=layout.slot_index,
+            )
+            o = o.transpose(0, 1)
+        else:
+            init = None
+            if not layout.fresh:
+                init = pool.kda_state[i].index_select(0, layout.slot_index)
+                init[torch.tensor(layout.starts, device=x.device) == 0] = 0
+            if layout.uniform:  # equal lengths: a plain batch, no varlen bookkeeping
+                n = layout.num_seqs
+                o, final = chunk_kda(*(t.view(n, T // n, *t.shape[2:]) for t in (q, k, v, g, beta)),
+                                     initial_state=init, output_final_state=True)
+            else:
+                o, final = chunk_kda(q, k, v, g, beta, initial_state=init, output_final_state=True,
+                                     cu_seqlens=layout.cu_seqlens)
+            with torch.no_grad():
+                pool.kda_state[i].index_copy_(0, layout.slot_index, final.detach().float())
+        o = gated_rms_norm(o.reshape(T, H, D), self.output_gate(x).view(T, H, D), self.o_norm)
+        return self.o_proj(o.reshape(T, H * D).to(x.dtype))

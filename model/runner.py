@@ -1,0 +1,142 @@
+"""ModelRunner: batched chunked prefill and batched decode over a pool of state slots.
+
+The runner owns a :class:`~model.state.StatePool` and the token count of each slot. It has
+no policy: callers (the engine's scheduler, the CLI) decide which sequences run each step.
+
+    runner = ModelRunner(model, num_slots=8)
+    a, b = runner.allocate(), runner.allocate()
+    logits = runner.prefill([a, b], [prompt_a, prompt_b])   # [2, V], last position of each
+    logits = runner.decode([a, b], [tok_a, tok_b])           # [2, V]
+
+A decode step costs the same for KDA layers at any context (state is [H, K, V]); MLA layers
+read their latent cache in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .network import KimiForCausalLM
+from .state import BatchLayout, SequenceState, StatePool
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Greedy when temperature == 0."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits [N, V] → token ids [N] (argmax, or temperature + nucleus sampling)."""
+    if params.temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1:
+        sorted_p, order = probs.sort(-1, descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < params.top_p  # always keeps the top token
+        sorted_p = sorted_p * keep
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+class ModelRunner:
+    def __init__(self, model: KimiForCausalLM, num_slots: int = 8, *, prefill_chunk: int = 512, capacity: int = 256) -> None:
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.model = model
+        self.config = model.config
+        self.prefill_chunk = prefill_chunk
+        self.pool = StatePool(model.config, num_slots, capacity=capacity, device=model.device, dtype=model.dtype)
+        self.lengths = [0] * num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    # -- slots ----------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int | None:
+        """A zeroed slot, or None when all are taken (the caller preempts or waits)."""
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self.pool.reset(slot)
+        self.lengths[slot] = 0
+        return slot
+
+    def release(self, slot: int) -> None:
+        if slot in self._free or not 0 <= slot < self.pool.num_slots:
+            raise RuntimeError(f"release of slot {slot} that is not allocated (a bug in the caller)")
+        self._free.append(slot)
+
+    def snapshot(self, slot: int) -> SequenceState:
+        return self.pool.snapshot(slot, self.lengths[slot])
+
+    def restore(self, slot: int, state: SequenceState) -> None:
+        self.pool.restore(slot, state)
+        self.lengths[slot] = state.position
+
+    # -- compute ----------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, slots: list[int], chunks: list[list[int]]) -> torch.Tensor:
+        """One forward over ``chunks[i]`` appended to ``slots[i]``; logits at each chunk's last token [N, V]."""
+        layout = BatchLayout.make(slots, [self.lengths[s] for s in slots], [len(c) for c in chunks], device=self.model.device)
+        ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64, device=self.model.device)
+        hidden = self.model.hidden_packed(ids, layout, self.pool)
+        for s, c in zip(slots, chunks):
+            self.lengths[s] += len(c)
+        return self.model.lm_head(hidden.index_select(0, layout.last_token_index)).float()
+
+    def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        """Chunked prefill of several prompts together (≤ ``prefill_chunk`` tokens per sequence
+        per step); logits at each prompt's last token [N, V]."""
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("prompts must be non-empty")
+        out: list[torch.Tensor | None] = [None] * len(slots)
+        offset = 0
+        while any(offset < len(p) for p in prompts):
+            active = [i for i, p in enumerate(prompts) if offset < len(p)]
+            logits = self.step([slots[i] for i in active], [prompts[i][offset : offset + self.prefill_chunk] for i in active])
+            for j, i in enumerate(active):
+                out[i] = logits[j]
+            offset += self.prefill_chunk
+        return torch.stack(out)  # type: ignore[arg-type]
+
+    def decode(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
+        """One token per sequence; logits [N, V]."""
+        return self.step(slots, [[t] for t in tokens])
+
+
+def generate(
+    runner: ModelRunner, prompt: list[int], max_tokens: int, params: SamplingParams = SamplingParams(),
+    stop_ids: tuple[int, ...] = (),
+) -> list[int]:
+    """Single-sequence generation (used by the CLI and as the reference for the engine)."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    slot = runner.allocate()
+    if slot is None:
+        raise RuntimeError("no free state slot for generate()")
+    gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+    try:
+        logits = runner.prefill([slot], [prompt])
+        out: list[int] = []
+        while True:
+            tok = int(sample(logits, params, gen)[0])
+            out.append(tok)
+            if tok in stop_ids or len(out) >= max_tokens:
+                return out
+            logits = runner.decode([slot], [tok])
+    finally:
+        runner.release(slot)

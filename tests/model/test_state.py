@@ -1,0 +1,64 @@
+"""Snapshot at any position → bytes → restore in a fresh runner → continue, identical."""
+
+import pytest
+import torch
+
+from model import load_model
+from model.runner import ModelRunner
+from model.state import SequenceState
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny-k3")
+
+
+@pytest.mark.parametrize("position", [1, 3, 4, 31, 64, 65])
+def test_snapshot_restore_continue_is_bit_identical(model, position):
+    ids = torch.randint(0, 256, (position + 12,), generator=torch.Generator().manual_seed(position)).tolist()
+    a = ModelRunner(model, 2, prefill_chunk=16)
+    sa = a.allocate()
+    a.prefill([sa], [ids[:position]])
+    blob = a.snapshot(sa).to_bytes()
+    straight = [a.decode([sa], [t])[0] for t in ids[position:]]
+
+    b = ModelRunner(model, 3)
+    b.allocate()  # land in a different slot
+    sb = b.allocate()
+    b.restore(sb, SequenceState.from_bytes(blob, expected_fingerprint=model.config.fingerprint()))
+    assert b.lengths[sb] == position
+    resumed = [b.decode([sb], [t])[0] for t in ids[position:]]
+    for x, y in zip(straight, resumed):
+        assert torch.equal(x, y)
+
+
+def test_state_size_is_exact_and_kda_part_is_constant(model):
+    r = ModelRunner(model, 1)
+    s = r.allocate()
+    r.prefill([s], [list(range(100))])
+    snap = r.snapshot(s)
+    cfg = model.config
+    kda = len(cfg.kda_layers) * (cfg.kda.num_heads * cfg.kda.head_dim**2 + 3 * cfg.kda.proj_dim * (cfg.kda.conv_kernel - 1)) * 4
+    mla = len(cfg.mla_layers) * 100 * cfg.mla_latent_dim * 4
+    assert snap.nbytes == kda + mla == r.pool.state_bytes(100)
+    assert len(snap.to_bytes()) - snap.nbytes < 2048  # header + checksum only
+
+
+def test_corrupt_truncated_or_foreign_snapshots_are_rejected(model):
+    r = ModelRunner(model, 1)
+    s = r.allocate()
+    r.prefill([s], [[1, 2, 3, 4, 5]])
+    blob = bytearray(r.snapshot(s).to_bytes())
+    flipped = bytearray(blob)
+    flipped[len(flipped) // 2] ^= 0x40
+    with pytest.raises(ValueError, match="checksum"):
+        SequenceState.from_bytes(bytes(flipped))
+    with pytest.raises(ValueError, match="checksum|short"):
+        SequenceState.from_bytes(bytes(blob[:-40]))
+    with pytest.raises(ValueError, match="magic"):
+        SequenceState.from_bytes(b"XXXX" + bytes(blob[4:]))
+    with pytest.raises(ValueError, match="expected deadbeef"):
+        SequenceState.from_bytes(bytes(blob), expected_fingerprint="deadbeef")
+    other = load_model("tiny-linear")
+    with pytest.raises(ValueError, match="snapshot is for model"):
+        ModelRunner(other, 1).restore(0, SequenceState.from_bytes(bytes(blob)))

@@ -1,0 +1,37 @@
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, "-m", "deployments.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_generate_greedy_matches_in_process_generation():
+    from model import load_model, load_tokenizer
+    from model.runner import ModelRunner, generate
+
+    out = _run("generate", "--model", "tiny-k3", "--prompt", "def f(x):", "--max-tokens", "12", "--ids", "--ignore-eos")
+    assert out.returncode == 0, out.stderr
+    ids = list(map(int, out.stdout.split()))
+    tok = load_tokenizer("tiny-k3")
+    expected = generate(ModelRunner(load_model("tiny-k3"), 1), tok.encode("def f(x):"), 12)
+    assert ids == expected and len(ids) == 12
+    assert "12 generated" in out.stderr
+
+
+def test_generate_sampling_is_seeded():
+    a = _run("generate", "--model", "tiny-k3", "--prompt", "x", "--max-tokens", "8", "--temperature", "1.0", "--top-p", "0.9", "--seed", "3", "--ids", "--ignore-eos")
+    b = _run("generate", "--model", "tiny-k3", "--prompt", "x", "--max-tokens", "8", "--temperature", "1.0", "--top-p", "0.9", "--seed", "3", "--ids", "--ignore-eos")
+    assert a.returncode == 0 and a.stdout == b.stdout
+
+
+def test_generate_bad_arguments_exit_2_with_message():
+    out = _run("generate", "--model", "nope", "--prompt", "x")
+    assert out.returncode == 2 and "'nope'" in out.stderr
+    out = _run("generate", "--model", "tiny-k3", "--prompt", "x", "--max-tokens", "0")
+    assert out.returncode == 2 and "--max-tokens" in out.stderr
+    out = _run("generate", "--model", "tiny-k3", "--prompt", "x", "--temperature", "-1")
+    assert out.returncode == 2 and "temperature" in out.stderr

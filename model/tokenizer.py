@@ -94,3 +94,10 @@ def load_tokenizer_from(path: Path) -> Tokenizer:
         if kind not in (None, "ByteTokenizer"):
             raise ValueError(f"{marker}: tokenizer_class {kind!r} needs a tokenizer.json beside it")
     return ByteTokenizer()
+
+
+def apply_chat_template(messages: list[tuple[str, str]]) -> str:
+    """ChatML-style template of the tiny models: each turn framed by <|im_start|>role … <|im_end|>,
+    ending with an open assistant turn."""
+    turns = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in messages)
+    return turns + "<|im_start|>assistant\n"

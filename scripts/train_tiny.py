@@ -91,7 +91,7 @@ def main() -> None:
     budget = args.minutes * 60
     warmup = 50
     t0 = time.time()
-    step, ema = 0, None
+    step, ema, skipped = 0, None, 0
     gen = torch.Generator().manual_seed(args.seed)
     while step < args.max_steps:
         elapsed = time.time() - t0
@@ -107,7 +107,12 @@ def main() -> None:
         loss = F.cross_entropy(model(x).reshape(-1, model.config.vocab_size), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if not (torch.isfinite(loss) and torch.isfinite(norm)):
+            bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+            print(f"step {step}: non-finite loss/grad ({loss.item()}, {norm.item()}), skipped; bad grads: {bad[:5]}", flush=True)
+            skipped += 1
+            continue
         opt.step()
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
         step += 1
@@ -128,6 +133,7 @@ def main() -> None:
         "preset": "tiny-k3",
         "parameters": n_params,
         "steps": step,
+        "skipped_non_finite_steps": skipped,
         "tokens_seen": step * args.batch * args.seq_len,
         "train_minutes": round((time.time() - t0) / 60, 1),
         "seq_len": args.seq_len,

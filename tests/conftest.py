@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
+from pathlib import Path
 
 import pytest
 import torch
 
 torch.manual_seed(0)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -28,3 +32,30 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+torch.set_num_threads(1)  # the CI machine has 2 cores shared by the test process and Ray workers
+
+
+@contextlib.contextmanager
+def local_ray_env():
+    """Environment for a throwaway local Ray cluster: token auth with a fresh token (Ray 2.60's
+    default mode; nothing read from or written to ~/.ray) and the repo importable in workers."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    keys = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "PYTHONPATH")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(16)
+    os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), saved["PYTHONPATH"]) if p)
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

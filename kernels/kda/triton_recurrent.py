@@ -154,6 +154,8 @@ def _fused_recurrent_kda_torch(
     if ssm_state_indices is None:
         return naive_recurrent_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
     B, T, H, K = q.shape
+    if T == 1 and cu_seqlens is None and bool((ssm_state_indices >= 0).all()):
+        return _decode_step_torch(q, k, v, g, beta, scale, initial_state, ssm_state_indices)
     V = v.shape[-1]
     N = ssm_state_indices.numel()
     valid = ssm_state_indices >= 0
@@ -166,6 +168,31 @@ def _fused_recurrent_kda_torch(
     o = torch.where(m_tok[:, :, None, None], o, 0)
     initial_state.index_copy_(0, slots, ht[valid])
     return o, initial_state
+
+
+def _decode_step_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per sequence, every sequence with a slot: the lean CPU decode step.
+
+    Same math as :func:`naive_recurrent_kda` (its reference, held together by the tests) for T = 1,
+    with the gathered states updated in place and written back to ``pool`` by slot.
+    """
+    S = pool.index_select(0, slots)  # [N, H, K, V]
+    q, k, v, g, beta = (t[:, 0].float() for t in (q, k, v, g, beta))
+    S.mul_(g.exp().unsqueeze(-1))
+    u = beta.unsqueeze(-1) * (v - torch.einsum("nhk,nhkv->nhv", k, S))  # [N, H, V]
+    S.add_(k.unsqueeze(-1) * u.unsqueeze(-2))
+    o = torch.einsum("nhk,nhkv->nhv", q * scale, S)
+    pool.index_copy_(0, slots, S)
+    return o.unsqueeze(1), pool
 
 
 def fused_recurrent_kda(

@@ -95,18 +95,33 @@ class KimiDeltaAttention(nn.Module):
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
         return self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
 
+    def _conv_decode(self, x: torch.Tensor, layout: BatchLayout, conv_state: torch.Tensor):
+        """One token per sequence: q, k, v convs as one multiply-sum over [tails, x]; tails shift in place.
+
+        Same result as :func:`causal_conv_packed` with length-1 sequences (its reference)."""
+        N, P = x.shape[0], self.q_proj.out_features
+        x3 = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1).float()  # [N, 3P]
+        w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0].float()  # [3P, W]
+        xx = torch.cat([conv_state.index_select(0, layout.slot_index).view(N, 3 * P, -1), x3[..., None]], dim=-1)
+        conv_state.index_copy_(0, layout.slot_index, xx[..., 1:].reshape(N, 3, P, -1))
+        y = F.silu((xx * w).sum(-1)).to(x.dtype)  # [N, 3P]
+        return y[:, :P], y[:, P : 2 * P], y[:, 2 * P :]
+
     def forward(self, x: torch.Tensor, layout: BatchLayout, pool: StatePool) -> torch.Tensor:
         """x: [T_total, hidden] packed tokens → [T_total, hidden]; updates the layer's slots in ``pool``."""
         T, H, D = x.shape[0], self.num_heads, self.head_dim
         i = pool.kda_index[self.layer_idx]
-        tails = pool.conv_state[i].index_select(0, layout.slot_index)  # [N, 3, P, W-1]
-        if layout.fresh:
-            tails = torch.zeros_like(tails)
-        q, tq = causal_conv_packed(self.q_proj(x), self.q_conv1d.weight, tails[:, 0], layout)
-        k, tk = causal_conv_packed(self.k_proj(x), self.k_conv1d.weight, tails[:, 1], layout)
-        v, tv = causal_conv_packed(self.v_proj(x), self.v_conv1d.weight, tails[:, 2], layout)
-        with torch.no_grad():
-            pool.conv_state[i].index_copy_(0, layout.slot_index, torch.stack([tq, tk, tv], dim=1).detach())
+        if layout.is_decode:
+            q, k, v = self._conv_decode(x, layout, pool.conv_state[i])
+        else:
+            tails = pool.conv_state[i].index_select(0, layout.slot_index)  # [N, 3, P, W-1]
+            if layout.fresh:
+                tails = torch.zeros_like(tails)
+            q, tq = causal_conv_packed(self.q_proj(x), self.q_conv1d.weight, tails[:, 0], layout)
+            k, tk = causal_conv_packed(self.k_proj(x), self.k_conv1d.weight, tails[:, 1], layout)
+            v, tv = causal_conv_packed(self.v_proj(x), self.v_conv1d.weight, tails[:, 2], layout)
+            with torch.no_grad():
+                pool.conv_state[i].index_copy_(0, layout.slot_index, torch.stack([tq, tk, tv], dim=1).detach())
         q = l2norm(q.view(1, T, H, D))
         k = l2norm(k.view(1, T, H, D))
         v = v.view(1, T, H, D)

@@ -1,0 +1,108 @@
+"""Application builder: the whole Serve graph from one :class:`PlatformConfig`.
+
+    ingress ──► prefill-<pool> ──(state handoff)──► decode-<pool>      for pool in standard, highspeed
+                     └──────────── expert-pool-<s> ◄────┘               (expert_mode "pool")
+
+The classes stay plain (testable without Ray); this module applies
+``serve.deployment(cls, **options).bind(...)`` at build time. ``serve run
+deployments.app:build_app`` and the Serve config in ``deployments/serve_config.yaml`` use
+:func:`build_app` with the config dict as ``args``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import AsyncIterator
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from .config import PlatformConfig
+from .decode import Decode
+from .expert_pool import ExpertShard
+from .frontend import Frontend
+from .grpc_ingress import GrpcInferenceMixin
+from .http_ingress import IngressRoutes, app as http_app
+from .messages import DecodeChunk, DecodeRequest, PrefillRequest, PrefillResult
+from .prefill import Prefill
+from .replica import replica_id
+from .tenants import TenantRegistry, default_dev_tenants
+from . import tracing
+
+
+class ServeBackend:
+    """Prefill and decode hops over Serve handles (decode streams)."""
+
+    def __init__(self, prefill: dict[str, DeploymentHandle], decode: dict[str, DeploymentHandle]) -> None:
+        self.prefill_handles, self.decode_handles = prefill, decode
+
+    async def prefill(self, pool: str, req: PrefillRequest) -> PrefillResult:
+        return await self.prefill_handles[pool].prefill.remote(req)
+
+    async def decode(self, pool: str, req: DecodeRequest) -> AsyncIterator[DecodeChunk]:
+        async for chunk in self.decode_handles[pool].options(stream=True).generate.remote(req):
+            yield chunk
+
+
+class Ingress(IngressRoutes, GrpcInferenceMixin):
+    def __init__(self, config: PlatformConfig, prefill: dict, decode: dict) -> None:
+        from model import load_tokenizer
+
+        tracing.setup_tracing("deltaserve-ingress", memory=config.trace_memory)
+        registry = TenantRegistry.from_file(config.tenants_file)
+        self.config = config
+        self.replica = replica_id()
+        self.frontend = Frontend(
+            model_name=config.public_model_name,
+            pools=list(config.pools),
+            tokenizer=load_tokenizer(config.model),
+            registry=registry,
+            backend=ServeBackend(prefill, decode),
+            max_model_len=config.max_model_len,
+        )
+        self.prefill, self.decode = prefill, decode
+
+    async def debug_spans(self) -> dict[str, list[dict]]:
+        """Finished spans of this ingress and of one replica of each prefill/decode deployment (trace_memory)."""
+        out = {"ingress": tracing.finished_spans()}
+        for pool in self.prefill:
+            out[f"prefill-{pool}"] = await self.prefill[pool].debug_spans.remote()
+            out[f"decode-{pool}"] = await self.decode[pool].debug_spans.remote()
+        return out
+
+    def usage(self) -> dict:
+        return self.frontend.usage.snapshot()
+
+
+# Applied at import time: replicas re-import this module, and must see the routes bound to the class.
+IngressASGI = serve.ingress(http_app)(Ingress)
+
+
+def _options(config: PlatformConfig, name: str, replicas: int) -> dict:
+    return {"name": name, "num_replicas": replicas, "ray_actor_options": {"num_cpus": config.replica_num_cpus},
+            "max_ongoing_requests": 256}
+
+
+def build_app(args: dict | PlatformConfig | None = None) -> serve.Application:
+    """The Serve application for ``args`` (a PlatformConfig, its dict, or None for the defaults)."""
+    config = PlatformConfig.load(args)
+    if not Path(config.tenants_file).exists():
+        _, key = default_dev_tenants(config.tenants_file, os.environ.get("DELTASERVE_API_KEY"))
+        if key:
+            print(f"deltaserve: created tenant 'dev' in {config.tenants_file}; API key (shown once): {key}", file=sys.stderr)
+    counts = config
+    # Replica counts travel as deployment options only: bound arguments that differ would make
+    # Serve redeploy every deployment, while a changed num_replicas just scales that one.
+    config = config.model_copy(update={"pools": {name: pc.model_copy(update={"prefill_replicas": 1, "decode_replicas": 1})
+                                                 for name, pc in config.pools.items()}})
+    shards = []
+    if config.expert_mode == "pool":
+        shards = [serve.deployment(ExpertShard, **_options(config, f"expert-pool-{s}", 1)).bind(config, s, config.expert_shards)
+                  for s in range(config.expert_shards)]
+    prefill, decode = {}, {}
+    for pool, pc in counts.pools.items():
+        prefill[pool] = serve.deployment(Prefill, **_options(config, f"prefill-{pool}", pc.prefill_replicas)).bind(config, pool, shards or None)
+        decode[pool] = serve.deployment(Decode, **_options(config, f"decode-{pool}", pc.decode_replicas)).bind(config, pool, shards or None)
+    return serve.deployment(IngressASGI, **_options(config, "ingress", 1)).bind(config, prefill, decode)

@@ -1,0 +1,104 @@
+"""Platform configuration: pools, deployments, replicas, ports (pydantic, `extra="forbid"`).
+
+Accepts a path (YAML/JSON), a dict or an instance (:meth:`PlatformConfig.load`). The
+defaults are the embedded single-machine setup `make serve` starts: the tiny default model,
+both pools, experts colocated, HTTP on 127.0.0.1:8000 and gRPC on 127.0.0.1:9000.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .api import HIGHSPEED_SUFFIX, POOLS
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PoolConfig(_Strict):
+    """One service tier: its own prefill and decode deployments, batch caps and SLO targets."""
+
+    max_num_seqs: int = Field(16, gt=0, description="cap on sequences decoded together in one replica")
+    max_num_batched_tokens: int = Field(512, gt=0, description="token budget of one engine step (chunked prefill)")
+    ttft_slo_ms: float = Field(2000.0, gt=0, description="target time to first token, milliseconds")
+    tpot_slo_ms: float = Field(200.0, gt=0, description="target time per output token, milliseconds")
+    prefill_replicas: int = Field(1, ge=1, description="replicas of this pool's prefill deployment")
+    decode_replicas: int = Field(1, ge=1, description="replicas of this pool's decode deployment")
+
+
+def _default_pools() -> dict[str, PoolConfig]:
+    return {
+        "standard": PoolConfig(max_num_seqs=32, max_num_batched_tokens=1024, ttft_slo_ms=4000, tpot_slo_ms=400),
+        "highspeed": PoolConfig(max_num_seqs=4, max_num_batched_tokens=256, ttft_slo_ms=1000, tpot_slo_ms=100),
+    }
+
+
+class PlatformConfig(_Strict):
+    model: str = Field("k3-tiny", description="shipped checkpoint name, preset, or HF checkpoint directory")
+    model_name: str | None = Field(None, description="public model id (default: the model's name); '-highspeed' is appended for that pool")
+    pools: dict[str, PoolConfig] = Field(default_factory=_default_pools, description="service tiers by name")
+    expert_mode: Literal["colocated", "pool"] = Field("colocated", description="routed experts in the prefill/decode replica, or in expert-pool deployments")
+    expert_shards: int = Field(2, gt=0, description="expert-pool deployments (experts sharded by id) when expert_mode is 'pool'")
+    num_slots: int = Field(32, gt=0, description="state slots per prefill/decode replica")
+    max_model_len: int = Field(8192, gt=0, description="longest prompt + output, tokens")
+    replica_num_cpus: float = Field(0.1, gt=0, description="Ray CPUs reserved per replica (fractional: this is one machine)")
+    torch_threads: int = Field(1, gt=0, description="torch intra-op threads per replica")
+    host: str = Field("127.0.0.1", description="address HTTP and gRPC listen on")
+    http_port: int = Field(8000, ge=0, le=65535)
+    grpc_port: int = Field(9000, ge=0, le=65535)
+    tenants_file: str = Field("tenants.yaml", description="YAML tenants file (created with one dev tenant if missing)")
+    trace_memory: bool = Field(False, description="keep finished spans in memory per replica (tests)")
+
+    @field_validator("pools")
+    @classmethod
+    def _pool_names(cls, pools: dict[str, PoolConfig]) -> dict[str, PoolConfig]:
+        unknown = sorted(set(pools) - set(POOLS))
+        if unknown or "standard" not in pools:
+            raise ValueError(f"pools must include 'standard' and be among {list(POOLS)}, got {sorted(pools)}")
+        return pools
+
+    @model_validator(mode="after")
+    def _name(self) -> "PlatformConfig":
+        name = self.public_model_name
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name) or name.endswith(HIGHSPEED_SUFFIX):
+            raise ValueError(f"model_name {name!r} is not a valid model id")
+        return self
+
+    @property
+    def public_model_name(self) -> str:
+        return self.model_name or Path(self.model).name
+
+    def model_id(self, pool: str) -> str:
+        return self.public_model_name + ("" if pool == "standard" else HIGHSPEED_SUFFIX if pool == "highspeed" else f"-{pool}")
+
+    def with_replicas(self, overrides: dict[str, int]) -> "PlatformConfig":
+        """Apply `--replicas decode-standard=2` style overrides (deployment name → count)."""
+        pools = {name: pool.model_dump() for name, pool in self.pools.items()}
+        for deployment, count in overrides.items():
+            kind, _, pool = deployment.partition("-")
+            if kind not in ("prefill", "decode") or pool not in pools:
+                valid = [f"{k}-{p}" for p in pools for k in ("prefill", "decode")]
+                raise ValueError(f"unknown deployment {deployment!r} in --replicas; valid: {valid}")
+            if count < 1:
+                raise ValueError(f"replica count for {deployment} must be >= 1, got {count}")
+            pools[pool][f"{kind}_replicas"] = count
+        return self.model_copy(update={"pools": {k: PoolConfig(**v) for k, v in pools.items()}})
+
+    @classmethod
+    def load(cls, source: "str | Path | dict | PlatformConfig | None") -> "PlatformConfig":
+        if source is None:
+            return cls()
+        if isinstance(source, cls):
+            return source
+        if isinstance(source, dict):
+            return cls.model_validate(source)
+        path = Path(source)
+        text = path.read_text()
+        return cls.model_validate(json.loads(text) if path.suffix == ".json" else yaml.safe_load(text) or {})

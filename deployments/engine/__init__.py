@@ -1,0 +1,25 @@
+"""The serving engine: continuous batching, chunked prefill, swap preemption, prefill/decode
+handoff, and its asyncio front. No Ray here: the Serve deployments wrap these classes.
+
+    from deployments.engine import AsyncEngine, Engine, EngineConfig, GenerationRequest
+"""
+
+from .async_engine import AsyncEngine
+from .engine import Engine, EngineConfig, EngineStats
+from .scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from .sequence import FinishReason, GenerationRequest, RequestOutput, Sequence, SequenceStatus
+
+__all__ = [
+    "AsyncEngine",
+    "Engine",
+    "EngineConfig",
+    "EngineStats",
+    "FinishReason",
+    "GenerationRequest",
+    "RequestOutput",
+    "ScheduledChunk",
+    "Scheduler",
+    "SchedulerOutput",
+    "Sequence",
+    "SequenceStatus",
+]

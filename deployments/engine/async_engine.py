@@ -1,0 +1,118 @@
+"""asyncio front of an :class:`Engine` for Serve replicas.
+
+A background task runs ``engine.step()`` in a worker thread while there is work and sleeps
+on an :class:`asyncio.Event` otherwise; each step's outputs are routed to per-request
+queues. Every engine call (add, abort, step, has_unfinished) holds one lock, so the event
+loop and the step thread never touch the engine at once; add and abort run in worker
+threads too, so the loop is not blocked behind a step.
+
+    async with contextlib.aclosing(async_engine.generate(req)) as outputs:
+        async for out in outputs:
+            ...
+
+A consumer that stops early (``aclose()``, task cancellation on client disconnect) aborts
+its request. A failing step stops the engine: every waiting generator, and every later
+call, raises RuntimeError chained to the step's exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from .engine import Engine
+from .sequence import GenerationRequest, RequestOutput
+
+_T = TypeVar("_T")
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()  # held for every engine call
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}  # per live generator
+        self._wake: asyncio.Event | None = None  # set when work may have arrived; made on the running loop
+        self._loop_task: asyncio.Task[None] | None = None
+        self._error: BaseException | None = None  # the step failure that stopped the engine
+        self._closed = False
+
+    async def generate(self, req: GenerationRequest, **add_kwargs: Any) -> AsyncIterator[RequestOutput]:
+        """Add ``req`` (``add_kwargs`` go to :meth:`Engine.add_request`) and yield its outputs
+        until the finished one. Stopping early aborts the request."""
+        self._check_alive()
+        rid = req.request_id
+        if rid in self._queues:
+            raise ValueError(f"request_id {rid!r} is already being generated")
+        self._start()
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queues[rid] = queue
+        added = asyncio.ensure_future(asyncio.to_thread(self._call, self.engine.add_request, req, **add_kwargs))
+        finished = False
+        try:
+            await asyncio.shield(added)
+            self._wake.set()  # type: ignore[union-attr]  # made by _start
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise RuntimeError(f"engine stopped before request {rid!r} finished: {item!r}") from item
+                finished = item.finished
+                yield item
+        finally:
+            del self._queues[rid]
+            if not finished:
+                await self._abort_once_added(added, rid)
+
+    async def shutdown(self) -> None:
+        """Stop the step loop after the current step; waiting generators raise RuntimeError
+        (and abort their requests)."""
+        self._closed = True
+        if self._loop_task is not None:
+            self._wake.set()  # type: ignore[union-attr]
+            await self._loop_task
+        for queue in self._queues.values():
+            queue.put_nowait(RuntimeError("AsyncEngine was shut down"))
+
+    # -- internals ----------------------------------------------------------------
+    def _call(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        with self._lock:
+            return fn(*args, **kwargs)
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"engine stopped after a failed step: {self._error!r}") from self._error
+        if self._closed:
+            raise RuntimeError("AsyncEngine was shut down")
+
+    def _start(self) -> None:
+        if self._loop_task is None:
+            self._wake = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run(self._wake))
+
+    async def _run(self, wake: asyncio.Event) -> None:
+        while not self._closed:
+            wake.clear()
+            if not self._call(self.engine.has_unfinished):
+                await wake.wait()
+                continue
+            try:
+                outputs = await asyncio.to_thread(self._call, self.engine.step)
+            except Exception as e:  # the engine's state is unknown now: fail everyone, step no more
+                self._error = e
+                for queue in self._queues.values():
+                    queue.put_nowait(e)
+                return
+            for out in outputs:
+                queue = self._queues.get(out.request_id)
+                if queue is not None:  # None: its consumer is gone (aborted)
+                    queue.put_nowait(out)
+
+    async def _abort_once_added(self, added: asyncio.Future[None], rid: str) -> None:
+        """Abort ``rid`` after its add has landed; nothing when the add failed or the engine is dead."""
+        try:
+            await asyncio.shield(added)
+        except Exception:
+            return  # the add raised: that error is already on its way to the caller
+        if self._error is None:
+            await asyncio.shield(asyncio.to_thread(self._call, self.engine.abort, rid))

@@ -1,0 +1,216 @@
+"""The engine: requests in, one continuous-batching step at a time, outputs out.
+
+    engine = Engine(ModelRunner(model, num_slots=16), tokenizer, EngineConfig())
+    engine.add_request(GenerationRequest("r1", prompt_ids, max_tokens=64))
+    while engine.has_unfinished():
+        for out in engine.step():
+            ...
+
+Disaggregated prefill/decode: a prefill engine runs ``add_request(req with max_tokens=1,
+keep_state_on_finish=True)``; the final output carries ``state`` (the prompt's state) and
+``new_token_ids == [first_token]``. A decode engine continues with
+``add_request(req, resume_state=state, first_token=first_token)``: it restores the state
+and never runs the prompt through the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from model.runner import ModelRunner, sample
+from model.state import SequenceState
+from model.tokenizer import Tokenizer
+
+from .scheduler import Scheduler, SchedulerOutput
+from .sequence import FinishReason, GenerationRequest, RequestOutput, Sequence
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_slots: int = 16  # state slots of the ModelRunner (must equal its pool's num_slots)
+    max_num_seqs: int = 16  # most running sequences at once
+    max_num_batched_tokens: int = 512  # token budget of one step: decode tokens plus prefill chunks
+    max_cached_tokens: int = 1 << 20  # most tokens held in the running sequences' states (MLA grows per token)
+    max_model_len: int = 8192  # most prompt + output tokens of one request
+
+    def __post_init__(self) -> None:
+        for name in ("num_slots", "max_num_seqs", "max_num_batched_tokens", "max_cached_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs}) "
+                "so that every running sequence decodes in every step"
+            )
+        if self.max_cached_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_cached_tokens ({self.max_cached_tokens}) must be >= max_model_len ({self.max_model_len}) "
+                "so that one sequence always fits"
+            )
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0  # steps that ran a forward
+    prompt_tokens_computed: int = 0  # prompt tokens run through the model (0 on a decode-only replica)
+    decode_tokens: int = 0  # tokens fed after the prompt, one per sequence per decode
+    preemptions: int = 0  # sequences swapped out to host memory
+    restores: int = 0  # states restored into a slot: swapped-out sequences and handoff states
+    finished: int = 0  # requests finished by stop or length
+    aborted: int = 0  # requests finished by abort
+
+
+class Engine:
+    """Continuous batching over one :class:`ModelRunner`. Not thread-safe: one caller at a
+    time (:class:`~deployments.engine.async_engine.AsyncEngine` serialises its calls)."""
+
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig) -> None:
+        if runner.pool.num_slots != config.num_slots:
+            raise ValueError(f"config.num_slots={config.num_slots} but the runner has {runner.pool.num_slots} slots")
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config
+        self.scheduler = Scheduler(
+            runner,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_cached_tokens=config.max_cached_tokens,
+        )
+        self.stats = EngineStats()
+        self._seqs: dict[str, Sequence] = {}  # unfinished requests by id
+        self._outputs: list[RequestOutput] = []  # final outputs made between steps (aborts, handoffs ended by their first token)
+
+    def add_request(
+        self,
+        req: GenerationRequest,
+        *,
+        resume_state: SequenceState | None = None,
+        first_token: int | None = None,
+        keep_state_on_finish: bool = False,
+    ) -> None:
+        """Queue a request.
+
+        ``resume_state`` (with ``first_token``): continue a prefill handoff. The state holds
+        exactly the prompt (``position == len(prompt_ids)``); ``first_token`` is the token the
+        prefill side sampled: output token 1, reported in this request's first output. Only
+        decode steps run for it. A seeded request replays the draw that sampled
+        ``first_token``, so its stream continues exactly as on a single engine.
+
+        ``keep_state_on_finish``: the final output (stop or length) carries the state after
+        the computed tokens, in host memory.
+
+        Raises ValueError (naming the value) for a request_id in use (also while its final
+        output is still to be reported by :meth:`step`), a prompt longer than
+        max_model_len, a token id outside the vocabulary, or a resume_state that does not fit.
+        """
+        rid, n, vocab = req.request_id, len(req.prompt_ids), self.runner.config.vocab_size
+        if rid in self._seqs or any(o.request_id == rid for o in self._outputs):
+            raise ValueError(f"request_id {rid!r} is already in use")
+        if n > self.config.max_model_len:
+            raise ValueError(f"prompt of request {rid!r} has {n} tokens, more than max_model_len={self.config.max_model_len}")
+        bad = [t for t in (*req.prompt_ids, *req.stop_token_ids) if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} of request {rid!r} is outside the vocabulary 0..{vocab - 1}")
+        if (resume_state is None) != (first_token is None):
+            raise ValueError(f"resume_state and first_token go together, got first_token={first_token!r} "
+                             f"and {'a' if resume_state is not None else 'no'} resume_state")
+        if resume_state is not None:
+            if resume_state.position != n:
+                raise ValueError(f"resume_state.position={resume_state.position} must equal len(prompt_ids)={n} (request {rid!r})")
+            if resume_state.fingerprint != self.runner.config.fingerprint():
+                raise ValueError(f"resume_state is for model {resume_state.fingerprint}, "
+                                 f"this engine serves {self.runner.config.fingerprint()}")
+            if not 0 <= first_token < vocab:  # type: ignore[operator]
+                raise ValueError(f"first_token {first_token} is outside the vocabulary 0..{vocab - 1}")
+        seq = Sequence(req, self.tokenizer, max_model_len=self.config.max_model_len, keep_state_on_finish=keep_state_on_finish)
+        if resume_state is not None:
+            seq.host_state, seq.num_computed, seq.num_cached_tokens = resume_state, n, n
+            if seq.generator is not None:  # replay the prefill side's draw: a draw consumes the same randomness whatever the logits
+                sample(torch.zeros(1, vocab), req.sampling, seq.generator)
+            seq.append_token(first_token)  # type: ignore[arg-type]
+        self._seqs[rid] = seq
+        self.scheduler.add(seq)
+        if seq.finish_reason is not None:  # the handoff's first token already ends it
+            self._outputs.append(self._finish(seq))
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is (queued, running, swapped) and free its slot; its final
+        output (finish_reason ABORT) comes from the next :meth:`step`. A no-op for an unknown or
+        finished request (a client may go away after its last output)."""
+        seq = self._seqs.get(request_id)
+        if seq is not None:
+            seq.abort()
+            self._outputs.append(self._finish(seq))
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, apply stop conditions: the outputs of requests
+        that sampled a token or finished (including those aborted since the last step)."""
+        outputs, self._outputs = self._outputs, []
+        batch = self.scheduler.schedule()
+        if batch is not None:
+            logits = self.runner.step(batch.slots, batch.token_chunks)
+            outputs += self._postprocess(batch, logits)
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        """Whether :meth:`step` has anything left to do or report."""
+        return bool(self._outputs) or self.scheduler.has_unfinished
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` is unfinished here."""
+        return request_id in self._seqs
+
+    def snapshot_request(self, request_id: str) -> SequenceState:
+        """Host-memory copy of a request's state after its computed tokens (running or swapped out)."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            raise ValueError(f"unknown request_id {request_id!r}")
+        return self.scheduler.snapshot(seq)
+
+    # -- internals ----------------------------------------------------------------
+    def _postprocess(self, batch: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
+        self.stats.steps += 1
+        self.stats.preemptions += len(batch.preempted)
+        self.stats.restores += len(batch.restored)
+        rows: list[int] = []  # chunks that reached the last known token: their logits are sampled
+        for i, chunk in enumerate(batch.chunks):
+            seq, n = chunk.seq, len(chunk.token_ids)
+            from_prompt = min(n, max(0, seq.num_prompt_tokens - seq.num_computed))
+            self.stats.prompt_tokens_computed += from_prompt
+            self.stats.decode_tokens += n - from_prompt
+            seq.num_computed += n
+            if seq.num_uncomputed == 0:
+                rows.append(i)
+        seqs = [batch.chunks[i].seq for i in rows]
+        outputs = []
+        for seq, token in zip(seqs, _sample(seqs, logits[rows])):
+            seq.append_token(token)
+            outputs.append(self._finish(seq) if seq.finish_reason is not None else seq.take_output())
+        return outputs
+
+    def _finish(self, seq: Sequence) -> RequestOutput:
+        """Release a sequence whose finish_reason is set; its final output."""
+        keep = seq.keep_state_on_finish and seq.finish_reason is not FinishReason.ABORT
+        state = self.scheduler.snapshot(seq) if keep else None
+        self.scheduler.finish(seq)
+        del self._seqs[seq.request_id]
+        if seq.finish_reason is FinishReason.ABORT:
+            self.stats.aborted += 1
+        else:
+            self.stats.finished += 1
+        return seq.take_output(state)
+
+
+def _sample(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+    """One token per row, each with its sequence's params; seeded rows draw from their own
+    CPU generator, so a request samples the same tokens alone or batched."""
+    tokens = logits.argmax(-1).tolist()
+    for i, seq in enumerate(seqs):
+        params = seq.request.sampling
+        if params.temperature > 0:
+            row = logits[i : i + 1]
+            tokens[i] = int(sample(row.cpu() if seq.generator is not None else row, params, seq.generator)[0])
+    return tokens

@@ -1,0 +1,249 @@
+"""Requests, their per-step outputs, and the engine's record of one request (a Sequence).
+
+A :class:`Sequence` owns everything that belongs to one request while it is served: its
+tokens, where its model state lives (a runner slot, or host memory while swapped out or
+before a handoff is restored), its sampling generator, and its incremental text with the
+stop conditions that end it. The scheduler decides *when* it runs; this module decides
+what its tokens mean.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from model.runner import SamplingParams
+from model.state import SequenceState
+from model.tokenizer import Tokenizer
+
+# Prompt tokens decoded in front of the output so tokenizers that render a token differently
+# at the start of a string (a leading space in SentencePiece-style vocabularies) decode the
+# first output tokens as they appear mid-text.
+_DETOKENIZE_CONTEXT = 5
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What a client asks for. Validated on construction."""
+
+    request_id: str  # unique among the engine's unfinished requests
+    prompt_ids: list[int]  # prompt token ids, non-empty
+    max_tokens: int  # most output tokens to produce, >= 1
+    sampling: SamplingParams = SamplingParams()  # temperature 0 = greedy; top_p; seed for a reproducible stream
+    stop: tuple[str, ...] = ()  # stop strings: the output text ends before the first one, finish_reason "stop"
+    stop_token_ids: tuple[int, ...] = ()  # tokens that end the request; the stop token itself is not emitted
+    ignore_eos: bool = False  # do not stop at the tokenizer's eos token
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {self.request_id!r}")
+        if not self.prompt_ids:
+            raise ValueError(f"prompt_ids of request {self.request_id!r} must be non-empty, got {self.prompt_ids!r}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens} (request {self.request_id!r})")
+        if any(not s for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty, got {self.stop!r} (request {self.request_id!r})")
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # a stop token or stop string
+    LENGTH = "length"  # max_tokens, or the engine's max_model_len
+    ABORT = "abort"  # aborted by the caller
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step yields for a request that sampled a token or finished."""
+
+    request_id: str  # GenerationRequest.request_id
+    new_token_ids: list[int]  # output tokens since the previous output of this request
+    new_text: str  # text since the previous output; a tail that could begin a stop string or is incomplete UTF-8 is held back until resolved
+    finished: bool  # this is the request's last output
+    finish_reason: FinishReason | None  # set when finished
+    num_prompt_tokens: int  # len(prompt_ids)
+    num_output_tokens: int  # output tokens so far (a stop token is not counted: it is not emitted)
+    num_cached_tokens: int  # prompt tokens this engine did not compute (restored from a handoff state), else 0
+    state: SequenceState | None = None  # final output with keep_state_on_finish: the state after the computed tokens (host memory)
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"  # queued; no slot (new, or a handoff state not yet restored)
+    RUNNING = "running"  # holds a runner slot
+    SWAPPED = "swapped"  # preempted: state in host memory, queued to be restored
+    FINISHED = "finished"  # done; holds nothing
+
+
+class IncrementalDetokenizer:
+    """Turns output tokens into text one token at a time.
+
+    Decodes a short window (a few tokens of context plus the unread tokens) and releases
+    the new characters only when they do not end in U+FFFD, i.e. when no multi-byte
+    character is still incomplete; :meth:`flush` releases whatever is left at the end.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        context = list(prompt_ids[-_DETOKENIZE_CONTEXT:])
+        if tokenizer.decode(context).endswith("\ufffd"):  # the prompt ends mid-character: output bytes must not complete it
+            context = []
+        self.ids = context  # context, then every output token
+        self.prefix_offset = 0  # start of the decode window
+        self.read_offset = len(self.ids)  # tokens before this are already in the released text
+
+    def push(self, token: int) -> str:
+        """Append one token; the newly complete text (possibly empty)."""
+        self.ids.append(token)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix) :]
+
+    def flush(self) -> str:
+        """The text of the tokens not released yet, complete or not."""
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix) :]
+
+
+class Sequence:
+    """One request inside the engine: tokens, state location, sampling and stop conditions.
+
+    Tokens are ``prompt_ids + output_ids``; the first ``num_computed`` of them are in the
+    model state. Each step computes the next chunk of the rest; when a chunk reaches the
+    last known token its logits are sampled and :meth:`append_token` adds the result.
+    """
+
+    def __init__(
+        self,
+        request: GenerationRequest,
+        tokenizer: Tokenizer,
+        *,
+        max_model_len: int,
+        keep_state_on_finish: bool = False,
+    ) -> None:
+        self.request = request
+        self.status = SequenceStatus.WAITING
+        self.slot: int | None = None  # runner slot while RUNNING
+        self.host_state: SequenceState | None = None  # state while SWAPPED, or a handoff state before its restore
+        self.num_computed = 0  # tokens in the state (in the slot, or in host_state)
+        self.num_cached_tokens = 0  # prompt tokens restored from a handoff rather than computed
+        self.output_ids: list[int] = []
+        self.text = ""  # output text released by the detokenizer, cut before a stop string
+        self.finish_reason: FinishReason | None = None
+        self.keep_state_on_finish = keep_state_on_finish
+        self.max_model_len = max_model_len
+        eos = None if request.ignore_eos else tokenizer.eos_token_id
+        self.stop_token_ids = frozenset(request.stop_token_ids) | ({eos} if eos is not None else set())
+        seed = request.sampling.seed
+        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None  # CPU; one draw per token
+        self._detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_ids)
+        self._emitted_tokens = 0  # output_ids already reported
+        self._emitted_chars = 0  # text already reported
+        self.arrival_time = time.perf_counter()  # time.perf_counter() timestamps, for latency metrics
+        self.first_token_time: float | None = None  # first token appended (sampled, or a handoff's first_token)
+        self.finish_time: float | None = None  # finish_reason set
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Known tokens not yet in the state: the rest of the prompt, or the last sampled token."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        """The whole prompt is in the state; each step feeds the last sampled token."""
+        return self.num_computed >= self.num_prompt_tokens
+
+    def next_chunk(self, max_tokens: int) -> list[int]:
+        """The next up to ``max_tokens`` uncomputed tokens."""
+        start, end = self.num_computed, min(self.num_tokens, self.num_computed + max_tokens)
+        n = self.num_prompt_tokens
+        return self.request.prompt_ids[start:end] + self.output_ids[max(0, start - n) : max(0, end - n)]
+
+    def append_token(self, token: int) -> None:
+        """Add a sampled token and apply the stop conditions (stop token, stop string,
+        max_tokens, max_model_len); a stop sets ``finish_reason`` (the caller then
+        releases the sequence)."""
+        if self.finish_reason is not None:
+            raise RuntimeError(f"token appended to request {self.request_id!r} after it stopped (a bug)")
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        if token in self.stop_token_ids:
+            self._extend_text(self._detokenizer.flush())
+            if self.finish_reason is None:
+                self._stop(FinishReason.STOP)
+            return
+        self.output_ids.append(token)
+        at_limit = len(self.output_ids) >= self.request.max_tokens or self.num_tokens >= self.max_model_len
+        new = self._detokenizer.push(token)
+        self._extend_text(new + self._detokenizer.flush() if at_limit else new)
+        if self.finish_reason is None and at_limit:
+            self._stop(FinishReason.LENGTH)
+
+    def abort(self) -> None:
+        """Stop with finish_reason ABORT (the caller then releases the sequence)."""
+        if self.finish_reason is not None:
+            raise RuntimeError(f"abort of request {self.request_id!r} after it stopped (a bug)")
+        self._stop(FinishReason.ABORT)
+
+    def _stop(self, reason: FinishReason) -> None:
+        self.finish_reason = reason
+        self.finish_time = time.perf_counter()
+
+    def _extend_text(self, new: str) -> None:
+        """Append released text; on a stop string, cut the text before it and stop."""
+        start = len(self.text)
+        self.text += new
+        if not new:
+            return
+        hits = [i for s in self.request.stop if (i := self.text.find(s, max(0, start - len(s) + 1))) >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self._stop(FinishReason.STOP)
+
+    def _held_back(self) -> int:
+        """Length of the longest text tail that is a proper prefix of a stop string."""
+        return max(
+            (k for s in self.request.stop for k in range(min(len(s) - 1, len(self.text)), 0, -1)
+             if self.text.endswith(s[:k])),
+            default=0,
+        )
+
+    def take_output(self, state: SequenceState | None = None) -> RequestOutput:
+        """The tokens and text not reported yet (all of the text once a finish_reason is set)."""
+        done = self.finish_reason is not None
+        end = len(self.text) if done else len(self.text) - self._held_back()
+        out = RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=self.output_ids[self._emitted_tokens :],
+            new_text=self.text[self._emitted_chars : end],
+            finished=done,
+            finish_reason=self.finish_reason,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=len(self.output_ids),
+            num_cached_tokens=self.num_cached_tokens,
+            state=state,
+        )
+        self._emitted_tokens, self._emitted_chars = len(self.output_ids), end
+        return out
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, {self.status.value}, slot={self.slot}, "
+                f"computed={self.num_computed}/{self.num_tokens}, out={len(self.output_ids)})")

@@ -1,0 +1,416 @@
+"""gRPC ingress: ``deltaserve.v1.Inference`` on Ray Serve's gRPC proxy.
+
+Two pieces:
+
+* :func:`add_inference_servicer` goes into ``gRPCOptions.grpc_servicer_functions``
+  (``"deployments.grpc_ingress.add_inference_servicer"``). Serve calls it once in every
+  proxy actor with a mock servicer and its own ``grpc.aio`` server. It registers
+
+  - ``deltaserve.v1.Inference``: Serve rewrites these handlers so that each call is
+    routed to the ingress deployment's method of the same name (``Generate``,
+    ``GenerateStream``, ``ListModels``);
+  - ``grpc.health.v1.Health``: registered as a *passthrough* service, so the proxy
+    answers it itself (SERVING for ``""`` and ``deltaserve.v1.Inference``) instead of
+    routing it to a replica (which would need an ingress method called ``Check``).
+
+  Server reflection comes from Serve: ``gRPCOptions(enable_reflection=True)`` (the
+  default) runs after the servicer functions and advertises every service registered
+  on the server, so it lists ``deltaserve.v1.Inference`` and ``grpc.health.v1.Health``.
+
+* :class:`GrpcInferenceMixin` gives the ingress deployment class those three methods.
+  They read the API key from the ``authorization`` metadata (``Bearer <key>`` or the bare
+  key), turn the request into a :class:`~deployments.api.CompletionInput`, call
+  ``self.frontend`` and turn its events (or its errors) into protobuf replies, gRPC
+  status codes and trailing metadata.
+
+How Serve 2.60 carries status and metadata back (``ray/serve/_private/proxy.py``,
+``replica.py``): the method receives a picklable ``RayServegRPCContext`` as the
+``grpc_context`` keyword; its state (code, details, trailing metadata) is pickled
+together with *each returned/yielded message* and applied to the real call in the proxy.
+A raised exception only carries code + details (``gRPCStatusError``), never trailing
+metadata. Hence errors are reported by setting code/details/trailing metadata and
+*returning* an empty reply (unary), and the success trailers of a stream are set before
+its last message is yielded. See :data:`GrpcInferenceMixin.stream_error_carrier`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from deployments.api import BadRequest, ChatMessage, CompletionInput, Finished, TextDelta
+from deployments.proto.deltaserve.v1 import inference_pb2 as pb
+from deployments.proto.deltaserve.v1 import inference_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:  # pragma: no cover
+    from deployments.api import Usage
+
+__all__ = [
+    "SERVICE_NAME",
+    "HEALTH_SERVICE_NAME",
+    "GrpcInferenceMixin",
+    "add_inference_servicer",
+    "api_key_from_metadata",
+    "completion_input_from_request",
+]
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name  # "deltaserve.v1.Inference"
+HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name  # "grpc.health.v1.Health"
+
+# Trailing metadata keys (gRPC metadata keys are lower case).
+MD_POOL = "x-deltaserve-pool"
+MD_REPLICA = "x-deltaserve-replica"
+MD_REQUEST_ID = "x-deltaserve-request-id"
+MD_MODEL = "x-deltaserve-model"
+MD_FINISH_REASON = "x-deltaserve-finish-reason"
+MD_PROMPT_TOKENS = "x-deltaserve-prompt-tokens"
+MD_COMPLETION_TOKENS = "x-deltaserve-completion-tokens"
+MD_CACHED_TOKENS = "x-deltaserve-cached-tokens"
+MD_TTFT_S = "x-deltaserve-ttft-s"
+MD_OUTPUT_TOKENS_PER_S = "x-deltaserve-output-tokens-per-s"
+MD_E2E_S = "x-deltaserve-e2e-s"
+MD_ERROR_CODE = "x-deltaserve-error-code"  # the OpenAI-style ``code`` of an ApiError
+MD_RETRY_AFTER = "retry-after"  # whole seconds, like HTTP Retry-After
+# Request metadata keys.
+MD_AUTHORIZATION = "authorization"
+MD_SESSION_ID = "x-session-id"
+
+logger = logging.getLogger("ray.serve").getChild("deltaserve.grpc")
+
+
+# --------------------------------------------------------------------------------------
+# Proxy-side registration: Inference (routed to replicas) + Health (answered by the proxy)
+# --------------------------------------------------------------------------------------
+
+
+class ProxyHealthServicer(health_pb2_grpc.HealthServicer):
+    """``grpc.health.v1.Health`` answered by the gRPC proxy itself (asyncio server).
+
+    Static: the proxy process is up and ``deltaserve.v1.Inference`` is registered on it,
+    so both the server ("") and the service report SERVING. Whether a model pool has
+    capacity is the business of the Inference calls (UNAVAILABLE), not of this probe.
+    """
+
+    def __init__(self, services: tuple[str, ...] = ("", SERVICE_NAME)) -> None:
+        self._status = {name: health_pb2.HealthCheckResponse.SERVING for name in services}
+
+    async def Check(self, request, context):
+        status = self._status.get(request.service)
+        if status is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(self, request, context):
+        # Statuses never change while the proxy lives: send the current one and hold the
+        # stream open until the client goes away (or the server stops).
+        status = self._status.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+        yield health_pb2.HealthCheckResponse(status=status)
+        await asyncio.Event().wait()
+
+    async def List(self, request, context):
+        response = health_pb2.HealthListResponse()
+        for name, status in self._status.items():
+            response.statuses[name].status = status
+        return response
+
+
+def add_inference_servicer(servicer: Any, server: Any) -> None:
+    """Servicer function for Serve's ``gRPCOptions.grpc_servicer_functions``.
+
+    ``servicer`` is whatever Serve passes (a Mock: Serve replaces the Inference handlers
+    with its replica-routing ones); ``server`` is Serve's ``gRPCGenericServer``. On a plain
+    ``grpc.aio`` server (no ``add_passthrough_service``) this registers ``servicer`` for
+    Inference and the health service as they are.
+    """
+    pb_grpc.add_InferenceServicer_to_server(servicer, server)
+    mark_passthrough = getattr(server, "add_passthrough_service", None)
+    if mark_passthrough is not None:
+        # Must precede the registration: handlers of a passthrough service are added
+        # unmodified, so the proxy runs them instead of routing them to a replica.
+        mark_passthrough(HEALTH_SERVICE_NAME)
+    health_pb2_grpc.add_HealthServicer_to_server(ProxyHealthServicer(), server)
+
+
+# --------------------------------------------------------------------------------------
+# Request conversion
+# --------------------------------------------------------------------------------------
+
+
+def _metadata_value(grpc_context: Any, key: str) -> str | None:
+    if grpc_context is None:
+        return None
+    for k, v in grpc_context.invocation_metadata() or ():
+        if k.lower() == key:
+            return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+    return None
+
+
+def api_key_from_metadata(grpc_context: Any) -> str | None:
+    """The API key from ``authorization`` metadata: ``Bearer <key>`` or the bare key."""
+    value = _metadata_value(grpc_context, MD_AUTHORIZATION)
+    if value is None:
+        return None
+    value = value.strip()
+    scheme, _, rest = value.partition(" ")
+    if rest and scheme.lower() == "bearer":
+        value = rest.strip()
+    elif value.lower() == "bearer":
+        value = ""
+    return value or None
+
+
+def _float32_value(value: float, param: str) -> float:
+    """A proto ``float`` as the decimal the client most likely wrote (0.7, not 0.699999988).
+
+    Keeps gRPC and HTTP requests with the same nominal temperature/top_p bit-identical.
+    """
+    if not math.isfinite(value):
+        raise BadRequest(f"{param} must be a finite number", param=param)
+    return float(f"{value:.7g}")
+
+
+def completion_input_from_request(request: pb.GenerateRequest, grpc_context: Any = None) -> CompletionInput:
+    """Map a ``GenerateRequest`` onto :class:`CompletionInput`; raises :class:`BadRequest`.
+
+    Unset ``optional`` fields keep the CompletionInput defaults. Either ``prompt`` or
+    ``messages`` is the input (not both); value ranges are the frontend's to validate.
+    """
+    kwargs: dict[str, Any] = {"model": request.model}
+    if len(request.messages):
+        if request.prompt:
+            raise BadRequest("set either prompt or messages, not both", param="messages")
+        kwargs["messages"] = tuple(ChatMessage(role=m.role, content=m.content) for m in request.messages)
+    else:
+        kwargs["prompt"] = request.prompt
+    if request.HasField("max_tokens"):
+        kwargs["max_tokens"] = int(request.max_tokens)
+    if request.HasField("temperature"):
+        kwargs["temperature"] = _float32_value(request.temperature, "temperature")
+    if request.HasField("top_p"):
+        kwargs["top_p"] = _float32_value(request.top_p, "top_p")
+    if request.HasField("seed"):
+        kwargs["seed"] = int(request.seed)
+    if len(request.stop):
+        kwargs["stop"] = tuple(request.stop)
+    session_id = request.session_id or _metadata_value(grpc_context, MD_SESSION_ID)
+    if session_id:
+        kwargs["session_id"] = session_id
+    if request.ignore_eos:
+        kwargs["ignore_eos"] = True
+    try:
+        return CompletionInput(**kwargs)
+    except (TypeError, ValueError) as e:  # a CompletionInput that validates its fields
+        raise BadRequest(str(e)) from e
+
+
+# --------------------------------------------------------------------------------------
+# Replies, statuses, trailing metadata
+# --------------------------------------------------------------------------------------
+
+
+def _usage_pb(usage: Usage) -> pb.Usage:
+    return pb.Usage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        cached_tokens=usage.cached_tokens,
+        time_to_first_token_s=usage.time_to_first_token_s,
+        output_tokens_per_s=usage.output_tokens_per_s,
+        end_to_end_s=usage.end_to_end_s,
+    )
+
+
+def _serve_request_id(grpc_context: Any) -> str:
+    """Serve's request id (client ``request_id`` metadata or generated by the proxy)."""
+    if grpc_context is not None and hasattr(grpc_context, "trailing_metadata"):
+        for k, v in grpc_context.trailing_metadata() or ():
+            if k == "request_id":  # set by the proxy (RayServegRPCContext)
+                return v
+    try:
+        from ray.serve.context import _get_serve_request_context
+
+        return _get_serve_request_context().request_id or ""
+    except Exception:  # not inside a replica
+        return ""
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.6g}"
+
+
+def success_trailers(fin: Finished, request_id: str) -> list[tuple[str, str]]:
+    u = fin.usage
+    return [
+        (MD_POOL, fin.pool),
+        (MD_REPLICA, fin.replica),
+        (MD_REQUEST_ID, request_id),
+        (MD_MODEL, fin.model),
+        (MD_FINISH_REASON, fin.finish_reason),
+        (MD_PROMPT_TOKENS, str(u.prompt_tokens)),
+        (MD_COMPLETION_TOKENS, str(u.completion_tokens)),
+        (MD_CACHED_TOKENS, str(u.cached_tokens)),
+        (MD_TTFT_S, _fmt(u.time_to_first_token_s)),
+        (MD_OUTPUT_TOKENS_PER_S, _fmt(u.output_tokens_per_s)),
+        (MD_E2E_S, _fmt(u.end_to_end_s)),
+    ]
+
+
+def _status_code(name: Any) -> grpc.StatusCode:
+    if isinstance(name, grpc.StatusCode):
+        return name
+    code = getattr(grpc.StatusCode, str(name).upper(), None) if name else None
+    return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
+
+
+def error_status(exc: BaseException) -> tuple[grpc.StatusCode, str, list[tuple[str, str]]]:
+    """(code, details, trailing metadata) for an exception raised by the frontend.
+
+    Anything with a ``grpc_code`` (ApiError and the tenants errors) maps to that code
+    with its ``message``; RESOURCE_EXHAUSTED always carries ``retry-after`` (whole
+    seconds, rounded up, at least 1), other codes when the error gives ``retry_after_s``. Any other
+    exception is INTERNAL with a short message (the caller logs the traceback).
+    """
+    grpc_code = getattr(exc, "grpc_code", None)
+    if grpc_code is None:
+        return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__})", []
+    code = _status_code(grpc_code)
+    message = getattr(exc, "message", None) or str(exc) or code.name
+    trailers: list[tuple[str, str]] = []
+    if getattr(exc, "code", None):
+        trailers.append((MD_ERROR_CODE, str(exc.code)))
+    retry_after_s = getattr(exc, "retry_after_s", None)
+    if retry_after_s is not None or code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        seconds = 1 if retry_after_s is None else max(1, math.ceil(float(retry_after_s)))  # as HTTP
+        trailers.append((MD_RETRY_AFTER, str(seconds)))
+    return code, message, trailers
+
+
+def _set_error(grpc_context: Any, exc: BaseException, rpc: str) -> None:
+    """Report ``exc`` on the call; re-raises it when there is no gRPC context (handle calls)."""
+    code, details, trailers = error_status(exc)
+    if getattr(exc, "grpc_code", None) is None:
+        request_id = _serve_request_id(grpc_context)
+        logger.exception("%s/%s failed (request_id %s)", SERVICE_NAME, rpc, request_id or "?", exc_info=exc)
+        if request_id:
+            details = f"{details}; request_id {request_id}"
+    if grpc_context is None:
+        raise exc
+    grpc_context.set_code(code)
+    grpc_context.set_details(details)
+    if trailers:
+        grpc_context.set_trailing_metadata(trailers)
+
+
+# --------------------------------------------------------------------------------------
+# The ingress methods
+# --------------------------------------------------------------------------------------
+
+
+class GrpcInferenceMixin:
+    """``deltaserve.v1.Inference`` methods for the Serve ingress deployment class.
+
+    The class sets ``self.frontend`` (see ``deployments/api.py`` for the interface).
+    Serve calls ``<Method>(request_proto, grpc_context=RayServegRPCContext)``; the
+    methods return/yield protobuf messages, which Serve serializes.
+    """
+
+    frontend: Any
+
+    #: How a GenerateStream error that happens before the first event is reported.
+    #: Serve only forwards trailing metadata alongside a yielded message, so
+    #: True (default): yield one empty ``GenerateStreamResponse`` (``finished`` false)
+    #:   carrying the status code, details and trailing metadata (``retry-after``...): the
+    #:   client reads that empty message, then gets the error status with its trailers.
+    #: False: raise; the client gets the status code and details and *no* message, but
+    #:   no trailing metadata either (``retry-after`` is lost).
+    stream_error_carrier: bool = True
+
+    async def Generate(self, request: pb.GenerateRequest, grpc_context: Any = None) -> pb.GenerateResponse:
+        try:
+            inp = completion_input_from_request(request, grpc_context)
+            api_key = api_key_from_metadata(grpc_context)
+            text: list[str] = []
+            token_ids: list[int] = []
+            fin: Finished | None = None
+            async for event in self.frontend.complete(api_key, inp):
+                if isinstance(event, TextDelta):
+                    text.append(event.text)
+                    token_ids.extend(event.token_ids)
+                elif isinstance(event, Finished):
+                    fin = event
+            if fin is None:
+                raise RuntimeError("the frontend ended the stream without a Finished event")
+        except Exception as e:
+            _set_error(grpc_context, e, "Generate")
+            return pb.GenerateResponse()
+        request_id = fin.request_id or _serve_request_id(grpc_context)
+        if grpc_context is not None:
+            grpc_context.set_trailing_metadata(success_trailers(fin, request_id))
+        return pb.GenerateResponse(
+            text="".join(text),
+            token_ids=token_ids,
+            finish_reason=fin.finish_reason,
+            usage=_usage_pb(fin.usage),
+            model=fin.model,
+            pool=fin.pool,
+            replica=fin.replica,
+            request_id=request_id,
+        )
+
+    async def GenerateStream(
+        self, request: pb.GenerateRequest, grpc_context: Any = None
+    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        sent = 0
+        events = None
+        fin: Finished | None = None
+        try:
+            inp = completion_input_from_request(request, grpc_context)
+            api_key = api_key_from_metadata(grpc_context)
+            events = self.frontend.complete(api_key, inp)
+            async for event in events:
+                if isinstance(event, TextDelta):
+                    yield pb.GenerateStreamResponse(text=event.text, token_ids=event.token_ids)
+                    sent += 1
+                elif isinstance(event, Finished):
+                    fin = event
+                    break
+            if fin is None:
+                raise RuntimeError("the frontend ended the stream without a Finished event")
+        except Exception as e:
+            _set_error(grpc_context, e, "GenerateStream")
+            if sent == 0 and self.stream_error_carrier:
+                yield pb.GenerateStreamResponse()
+                return
+            raise
+        finally:
+            if events is not None and hasattr(events, "aclose"):
+                await events.aclose()
+        # Serve sends the context's trailing metadata along with a yielded message: set
+        # the success trailers before the last one.
+        request_id = fin.request_id or _serve_request_id(grpc_context)
+        if grpc_context is not None:
+            grpc_context.set_trailing_metadata(success_trailers(fin, request_id))
+        yield pb.GenerateStreamResponse(
+            finished=True,
+            finish_reason=fin.finish_reason,
+            usage=_usage_pb(fin.usage),
+            model=fin.model,
+            pool=fin.pool,
+            replica=fin.replica,
+        )
+
+    async def ListModels(self, request: pb.ListModelsRequest, grpc_context: Any = None) -> pb.ListModelsResponse:
+        try:
+            cards = self.frontend.list_models(api_key_from_metadata(grpc_context))
+            if inspect.isawaitable(cards):
+                cards = await cards
+            cards = list(cards)
+        except Exception as e:
+            _set_error(grpc_context, e, "ListModels")
+            return pb.ListModelsResponse()
+        return pb.ListModelsResponse(models=[pb.Model(id=c.id, pool=c.pool, owned_by=c.owned_by) for c in cards])

@@ -1,0 +1,55 @@
+"""Payloads that travel between deployments through Serve handles (typed, no tensors but the state bytes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from model.runner import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillRequest:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    max_tokens: int  # the whole request's budget; prefill samples only the first token
+    sampling: SamplingParams
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    tenant: str = ""
+    pool: str = "standard"
+    trace: dict = field(default_factory=dict)  # W3C trace context of the caller's span
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    request_id: str
+    first_token: int
+    text: str  # detokenised text of the first token (final only when ``finished``)
+    finished: bool  # True when the first token already ends the request (stop or max_tokens == 1)
+    finish_reason: str | None
+    state: bytes | None  # SequenceState.to_bytes() after the prompt (the handoff), None when finished
+    prompt_tokens: int
+    cached_tokens: int
+    replica: str
+    prefill_s: float  # seconds spent in the prefill replica
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRequest:
+    prefill: PrefillRequest
+    first_token: int
+    state: bytes  # the handoff from PrefillResult.state
+    trace: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeChunk:
+    """One streamed piece of a decode: new tokens since the last chunk."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None
+    num_output_tokens: int
+    replica: str

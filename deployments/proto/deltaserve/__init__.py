@@ -1,0 +1,1 @@
+"""Generated code for the ``deltaserve.*`` proto packages."""

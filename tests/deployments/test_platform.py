@@ -1,0 +1,258 @@
+"""The served platform against a real local Ray Serve: openai client, gRPC client, pools, errors,
+prefill/decode separation, replica changes under load, concurrency, traces."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import socket
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+import torch
+
+from deployments.config import PlatformConfig
+from deployments.proto.deltaserve.v1 import inference_pb2 as pb
+from deployments.proto.deltaserve.v1 import inference_pb2_grpc as pbg
+from deployments.tenants import TenantRegistry
+from model import load_model, load_tokenizer
+from model.runner import ModelRunner, generate
+from tests.conftest import local_ray_env
+
+MODEL = "tiny-k3"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def platform(tmp_path_factory):
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+    from deployments.up import start
+
+    env = local_ray_env()
+    env.__enter__()
+    tmp = tmp_path_factory.mktemp("platform")
+    reg = TenantRegistry()
+    _, alice = reg.add("alice", pools=["standard", "highspeed"], rpm=10_000, tpm=10_000_000, max_context=4096)
+    _, bob = reg.add("bob", pools=["standard"], rpm=3, tpm=100_000, max_context=64)
+    reg.save(tmp / "tenants.yaml")
+    config = PlatformConfig(model=MODEL, model_name="tiny", tenants_file=str(tmp / "tenants.yaml"),
+                            http_port=_free_port(), grpc_port=_free_port(), trace_memory=True, num_slots=16)
+    start(config)
+    pool_config = config.model_copy(update={"expert_mode": "pool"})
+    serve.run(build_app(pool_config), name="pool-mode", route_prefix="/pool")
+    yield {"config": config, "alice": alice, "bob": bob, "http": f"http://127.0.0.1:{config.http_port}",
+           "grpc": f"127.0.0.1:{config.grpc_port}"}
+    serve.shutdown()
+    ray.shutdown()
+    env.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model, tok = load_model(MODEL), load_tokenizer(MODEL)
+    runner = ModelRunner(model, 1)
+
+    def ref(prompt: str, n: int) -> list[int]:
+        return generate(runner, tok.encode(prompt), n)
+
+    return ref
+
+
+def _client(p, key="alice", prefix=""):
+    return openai.OpenAI(base_url=f"{p['http']}{prefix}/v1", api_key=p[key], max_retries=0)
+
+
+def _ids(text: str) -> list[int]:
+    return load_tokenizer(MODEL).encode(text)
+
+
+def _text(ids: list[int]) -> str:
+    """What the platform returns for ``ids`` (random preset weights emit arbitrary bytes, so compare text)."""
+    return load_tokenizer(MODEL).decode(ids)
+
+
+@pytest.mark.parametrize("model_id,pool", [("tiny", "standard"), ("tiny-highspeed", "highspeed")])
+def test_openai_completions_greedy_equals_generate(platform, reference, model_id, pool):
+    raw = _client(platform).completions.with_raw_response.create(model=model_id, prompt="def fib(n):", max_tokens=12,
+                                                                  temperature=0, extra_body={"ignore_eos": True})
+    out = raw.parse()
+    assert raw.headers["x-deltaserve-pool"] == pool and raw.headers["x-deltaserve-replica"]
+    assert out.model == model_id
+    assert out.choices[0].text == _text(reference("def fib(n):", 12))
+    assert out.usage.prompt_tokens == len(_ids("def fib(n):")) and out.usage.completion_tokens == 12
+    assert out.usage.prompt_tokens_details.cached_tokens == 0
+    timings = out.usage.model_extra["timings"]
+    assert timings["end_to_end_s"] >= timings["time_to_first_token_s"] > 0
+
+
+def test_expert_pool_mode_gives_the_same_tokens(platform, reference):
+    out = _client(platform, prefix="/pool").completions.create(model="tiny", prompt="class A:", max_tokens=10,
+                                                               temperature=0, extra_body={"ignore_eos": True})
+    assert out.choices[0].text == _text(reference("class A:", 10))
+
+
+def test_streaming_completions_and_chat(platform, reference):
+    client = _client(platform)
+    chunks = list(client.completions.create(model="tiny", prompt="import os\n", max_tokens=9, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == _text(reference("import os\n", 9))
+    assert chunks[-1].usage.completion_tokens == 9
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    chat = list(client.chat.completions.create(model="tiny-highspeed", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=5, temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    assert chat[0].choices[0].delta.role == "assistant"
+    full = client.chat.completions.create(model="tiny-highspeed", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices) == full.choices[0].message.content
+
+
+def test_models_listed(platform):
+    ids = sorted(m.id for m in _client(platform).models.list().data)
+    assert ids == ["tiny", "tiny-highspeed"]
+
+
+@pytest.mark.parametrize(
+    "key,body,status,needle",
+    [
+        ("nokey", {"model": "tiny", "prompt": "x"}, 401, "API key"),
+        ("bob", {"model": "tiny-highspeed", "prompt": "x"}, 403, "highspeed"),
+        ("alice", {"model": "gpt-4", "prompt": "x"}, 404, "['tiny', 'tiny-highspeed']"),
+        ("alice", {"model": "tiny", "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+        ("alice", {"model": "tiny", "prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+        ("bob", {"model": "tiny", "prompt": "x" * 80}, 400, "context"),
+    ],
+)
+def test_http_errors_in_openai_shape(platform, key, body, status, needle):
+    headers = {} if key == "nokey" else {"Authorization": f"Bearer {platform[key]}"}
+    r = httpx.post(f"{platform['http']}/v1/completions", json=body, headers=headers, timeout=60)
+    assert r.status_code == status, r.text
+    assert needle in r.json()["error"]["message"]
+    ok = httpx.post(f"{platform['http']}/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 2},
+                    headers={"Authorization": f"Bearer {platform['alice']}"}, timeout=60)
+    assert ok.status_code == 200
+
+
+def test_bad_json_is_400(platform):
+    r = httpx.post(f"{platform['http']}/v1/completions", content=b"{not json",
+                   headers={"Authorization": f"Bearer {platform['alice']}", "content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_rate_limit_429_with_retry_after_then_serving_continues(platform):
+    headers = {"Authorization": f"Bearer {platform['bob']}"}
+    codes = [httpx.post(f"{platform['http']}/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 1},
+                        headers=headers, timeout=60) for _ in range(4)]
+    assert [c.status_code for c in codes].count(429) >= 1
+    limited = next(c for c in codes if c.status_code == 429)
+    assert int(limited.headers["retry-after"]) >= 1 and limited.json()["error"]["code"] == "rate_limit_exceeded"
+
+
+def _grpc(platform):
+    return pbg.InferenceStub(grpc.insecure_channel(platform["grpc"]))
+
+
+def test_grpc_generate_stream_and_models(platform, reference):
+    md = [("authorization", f"Bearer {platform['alice']}"), ("application", "deltaserve")]
+    stub = _grpc(platform)
+    resp, call = stub.Generate.with_call(pb.GenerateRequest(model="tiny", prompt="def fib(n):", max_tokens=12, temperature=0,
+                                                            ignore_eos=True), metadata=md, timeout=120)
+    assert list(resp.token_ids) == reference("def fib(n):", 12) and resp.pool == "standard"
+    trailing = dict(call.trailing_metadata())
+    assert trailing["x-deltaserve-pool"] == "standard" and trailing["x-deltaserve-replica"]
+    parts = list(stub.GenerateStream(pb.GenerateRequest(model="tiny-highspeed", prompt="def fib(n):", max_tokens=12,
+                                                        temperature=0, ignore_eos=True), metadata=md, timeout=120))
+    assert [t for p in parts for t in p.token_ids] == reference("def fib(n):", 12)
+    assert parts[-1].finished and parts[-1].usage.completion_tokens == 12 and parts[-1].pool == "highspeed"
+    models = stub.ListModels(pb.ListModelsRequest(), metadata=md, timeout=60)
+    assert sorted(m.id for m in models.models) == ["tiny", "tiny-highspeed"]
+
+
+@pytest.mark.parametrize(
+    "key,model,code",
+    [("nokey", "tiny", grpc.StatusCode.UNAUTHENTICATED), ("bob", "tiny-highspeed", grpc.StatusCode.PERMISSION_DENIED),
+     ("alice", "gpt-4", grpc.StatusCode.NOT_FOUND)],
+)
+def test_grpc_errors(platform, key, model, code):
+    md = [("application", "deltaserve")] + ([] if key == "nokey" else [("authorization", f"Bearer {platform[key]}")])
+    with pytest.raises(grpc.RpcError) as e:
+        _grpc(platform).Generate(pb.GenerateRequest(model=model, prompt="x", max_tokens=2), metadata=md, timeout=60)
+    assert e.value.code() == code
+
+
+def test_decode_replicas_never_run_a_prompt_forward(platform):
+    from ray import serve
+
+    _client(platform).completions.create(model="tiny", prompt="x" * 40, max_tokens=4)
+    for pool in ("standard", "highspeed"):
+        decode = serve.get_deployment_handle(f"decode-{pool}", app_name="deltaserve")
+        prefill = serve.get_deployment_handle(f"prefill-{pool}", app_name="deltaserve")
+        assert decode.stats.remote().result()["prompt_tokens_computed"] == 0
+    assert serve.get_deployment_handle("prefill-standard", app_name="deltaserve").stats.remote().result()["prompt_tokens_computed"] >= 40
+
+
+def test_concurrent_streams_match_alone(platform, reference):
+    prompts = [("def f%d(x):" % i) * (1 + i % 3) for i in range(8)]
+    lengths = [4 + 3 * (i % 4) for i in range(8)]
+
+    def one(i):
+        out = _client(platform).completions.create(model="tiny", prompt=prompts[i], max_tokens=lengths[i], temperature=0,
+                                                   extra_body={"ignore_eos": True})
+        return out.choices[0].text
+
+    with cf.ThreadPoolExecutor(8) as ex:
+        got = list(ex.map(one, range(8)))
+    for i in range(8):
+        assert got[i] == _text(reference(prompts[i], lengths[i])), i
+
+
+def test_spans_form_ingress_prefill_decode_chain(platform):
+    from ray import serve
+
+    out = _client(platform).completions.create(model="tiny", prompt="trace me", max_tokens=3)
+    ingress = serve.get_deployment_handle("ingress", app_name="deltaserve")
+    spans = ingress.debug_spans.remote().result()
+    root = next(s for s in spans["ingress"] if s["name"] == "ingress" and s["attributes"].get("deltaserve.request_id") == out.id)
+    pre = [s for s in spans["prefill-standard"] if s["trace_id"] == root["trace_id"]]
+    dec = [s for s in spans["decode-standard"] if s["trace_id"] == root["trace_id"]]
+    assert pre and dec
+    assert pre[0]["parent_id"] == root["span_id"] and dec[0]["parent_id"] == root["span_id"]
+    assert root["attributes"]["deltaserve.tenant"] == "alice" and root["attributes"]["deltaserve.pool"] == "standard"
+
+
+def test_replicas_change_independently_while_requests_flow(platform):
+    from ray import serve
+
+    from deployments.app import build_app
+
+    config = platform["config"]
+    stop = time.time() + 60
+    results = []
+
+    def load():
+        while time.time() < stop and len(results) < 12:
+            try:
+                _client(platform).completions.create(model="tiny", prompt="abc", max_tokens=3)
+                results.append(True)
+            except Exception as e:  # recorded, asserted below
+                results.append(e)
+
+    with cf.ThreadPoolExecutor(2) as ex:
+        futs = [ex.submit(load) for _ in range(2)]
+        serve.run(build_app(config.with_replicas({"decode-standard": 2})), name="deltaserve", route_prefix="/")
+        for f in futs:
+            f.result()
+    assert results and all(r is True for r in results), [r for r in results if r is not True][:3]
+    status = serve.status().applications["deltaserve"].deployments
+    assert status["decode-standard"].replica_states.get("RUNNING", 0) == 2
+    assert status["prefill-standard"].replica_states.get("RUNNING", 0) == 1

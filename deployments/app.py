@@ -81,8 +81,8 @@ IngressASGI = serve.ingress(http_app)(Ingress)
 
 
 def _options(config: PlatformConfig, name: str, replicas: int) -> dict:
-    return {"name": name, "num_replicas": replicas, "ray_actor_options": {"num_cpus": config.replica_num_cpus},
-            "max_ongoing_requests": 256}
+    return {"name": name, "num_replicas": replicas, "max_ongoing_requests": 256, "graceful_shutdown_timeout_s": 120,
+            "ray_actor_options": {"num_cpus": config.replica_num_cpus}}
 
 
 def build_app(args: dict | PlatformConfig | None = None) -> serve.Application:

@@ -28,13 +28,52 @@ def parse_replicas(items: list[str]) -> dict[str, int]:
     return out
 
 
-def start(config: PlatformConfig, *, app_name: str = "deltaserve", blocking: bool = False):
-    """Start Ray (local) and Serve with ``config``; returns the ingress handle."""
+def serve_schema(apps: list[tuple[str, str, PlatformConfig]]):
+    """Declarative Serve config for (app name, route prefix, config) triples.
+
+    Replica counts go into per-deployment overrides, the rest into the builder's ``args``: a
+    later schema that only changes counts is a lightweight update (replicas are added or
+    removed, none restarted), which is how replicas change while requests flow.
+    """
+    from ray.serve.schema import ServeDeploySchema
+
+    applications = []
+    for name, prefix, config in apps:
+        args = config.model_dump(mode="json")
+        for pool in args["pools"].values():
+            pool["prefill_replicas"] = pool["decode_replicas"] = 1
+        overrides = [{"name": f"{kind}-{pool}", "num_replicas": getattr(pc, f"{kind}_replicas")}
+                     for pool, pc in config.pools.items() for kind in ("prefill", "decode")]
+        applications.append({"name": name, "route_prefix": prefix, "import_path": "deployments.app:build_app",
+                             "args": args, "deployments": overrides})
+    return ServeDeploySchema.parse_obj({"applications": applications})
+
+
+def deploy(apps: list[tuple[str, str, PlatformConfig]], *, timeout_s: float = 900) -> None:
+    """Apply the declarative config and wait until every application is RUNNING."""
+    from ray import serve
+    from ray.serve._private.api import _get_global_client
+    from ray.serve.schema import ApplicationStatus
+
+    _get_global_client().deploy_apps(serve_schema(apps))
+    deadline = time.time() + timeout_s
+    names = {name for name, _, _ in apps}
+    while time.time() < deadline:
+        status = serve.status().applications
+        states = {n: status[n].status for n in names if n in status}
+        if any(s == ApplicationStatus.DEPLOY_FAILED for s in states.values()):
+            raise RuntimeError(f"deploy failed: {[status[n].message for n in names if n in status]}")
+        if len(states) == len(names) and all(s == ApplicationStatus.RUNNING for s in states.values()):
+            return
+        time.sleep(1)
+    raise TimeoutError(f"applications {sorted(names)} not running after {timeout_s:.0f}s")
+
+
+def start(config: PlatformConfig, *, app_name: str = "deltaserve", extra_apps: list | None = None) -> None:
+    """Start Ray (local, if not running) and Serve with ``config``; deploy and wait until running."""
     import ray
     from ray import serve
     from ray.serve.config import gRPCOptions, HTTPOptions
-
-    from .app import build_app
 
     if not ray.is_initialized():
         ray.init(include_dashboard=False, log_to_driver=False)
@@ -42,7 +81,7 @@ def start(config: PlatformConfig, *, app_name: str = "deltaserve", blocking: boo
         http_options=HTTPOptions(host=config.host, port=config.http_port),
         grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=[GRPC_SERVICER], enable_reflection=True),
     )
-    return serve.run(build_app(config), name=app_name, route_prefix="/", blocking=blocking)
+    deploy([(app_name, "/", config)] + list(extra_apps or []))
 
 
 def up(args: argparse.Namespace) -> int:

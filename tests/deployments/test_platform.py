@@ -35,7 +35,6 @@ def platform(tmp_path_factory):
     import ray
     from ray import serve
 
-    from deployments.app import build_app
     from deployments.up import start
 
     env = local_ray_env()
@@ -47,9 +46,8 @@ def platform(tmp_path_factory):
     reg.save(tmp / "tenants.yaml")
     config = PlatformConfig(model=MODEL, model_name="tiny", tenants_file=str(tmp / "tenants.yaml"),
                             http_port=_free_port(), grpc_port=_free_port(), trace_memory=True, num_slots=16)
-    start(config)
     pool_config = config.model_copy(update={"expert_mode": "pool"})
-    serve.run(build_app(pool_config), name="pool-mode", route_prefix="/pool")
+    start(config, extra_apps=[("pool-mode", "/pool", pool_config)])
     yield {"config": config, "alice": alice, "bob": bob, "http": f"http://127.0.0.1:{config.http_port}",
            "grpc": f"127.0.0.1:{config.grpc_port}"}
     serve.shutdown()
@@ -206,9 +204,10 @@ def test_concurrent_streams_match_alone(platform, reference):
     lengths = [4 + 3 * (i % 4) for i in range(8)]
 
     def one(i):
-        out = _client(platform).completions.create(model="tiny", prompt=prompts[i], max_tokens=lengths[i], temperature=0,
-                                                   extra_body={"ignore_eos": True})
-        return out.choices[0].text
+        model = "tiny" if i % 2 else "tiny-highspeed"
+        stream = _client(platform).completions.create(model=model, prompt=prompts[i], max_tokens=lengths[i], temperature=0,
+                                                      stream=True, extra_body={"ignore_eos": True})
+        return "".join(c.choices[0].text for c in stream if c.choices)
 
     with cf.ThreadPoolExecutor(8) as ex:
         got = list(ex.map(one, range(8)))
@@ -233,7 +232,7 @@ def test_spans_form_ingress_prefill_decode_chain(platform):
 def test_replicas_change_independently_while_requests_flow(platform):
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.up import deploy
 
     config = platform["config"]
     stop = time.time() + 60
@@ -249,7 +248,8 @@ def test_replicas_change_independently_while_requests_flow(platform):
 
     with cf.ThreadPoolExecutor(2) as ex:
         futs = [ex.submit(load) for _ in range(2)]
-        serve.run(build_app(config.with_replicas({"decode-standard": 2})), name="deltaserve", route_prefix="/")
+        deploy([("deltaserve", "/", config.with_replicas({"decode-standard": 2})),
+                ("pool-mode", "/pool", config.model_copy(update={"expert_mode": "pool"}))])
         for f in futs:
             f.result()
     assert results and all(r is True for r in results), [r for r in results if r is not True][:3]

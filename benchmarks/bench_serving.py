@@ -1,0 +1,669 @@
+"""The served platform (real Ray Serve, tiny-k3) side by side with the in-process engine.
+
+One run starts a local Ray + Serve (``deployments.up.start``) with two applications:
+
+* ``deltaserve`` at ``/``: both pools, experts colocated (the default ``PlatformConfig`` pools: standard
+  ``max_num_seqs=32``, highspeed ``max_num_seqs=4``);
+* ``pool-mode`` at ``/pool``: the standard pool only, routed experts in two ``expert-pool-<s>`` shards;
+
+one replica per deployment, ``replica_num_cpus=0.05``, torch 1 thread per replica and in this process. A temp
+tenants file holds one tenant allowed on both pools. Clients are ``httpx`` async streams (``/v1/completions``,
+``stream=True``, temperature 0, ``ignore_eos`` in the body, ``stream_options.include_usage``); each request
+records its own arrival times of the streamed chunks, and the ``usage.timings`` the platform reports.
+
+Measured (all greedy, 64 new tokens per request):
+
+a. Serving overhead: aggregate tokens/s of 16 concurrent HTTP streams vs the in-process ``Engine`` (standard
+   pool caps, all 16 added at once) on the same prompts, end to end (prefill included); interleaved runs,
+   medians. Also the same request path in-process (``Frontend`` + ``LocalBackend`` with the real ``Prefill``
+   and ``Decode`` classes and the state handoff, no Ray, no HTTP), which splits the overhead in two. The HTTP
+   texts must equal the in-process engine's.
+b. Continuous batching: decode tokens/s (steps after every sequence has its first token) at 32 concurrent vs 1
+   on the in-process Engine, wall and CPU time; through HTTP too (client side: tokens after each request's
+   first chunk / time from the first first-chunk to the last chunk).
+c. Mixed load: 24 standard + 4 highspeed streams at once (two waves); per pool p50/p95 of time to first token
+   and time per output token, from the client's chunk times and from ``usage.timings``.
+d. Expert pool vs colocated at 32 concurrent: decode tokens/s ratio through HTTP (``/pool`` vs ``/``), and
+   in this process with an ``Engine`` whose MoE layers call the real ``expert-pool-<s>`` Serve deployments
+   (``attach_expert_pool``) vs one with colocated experts; a timer around each MoE layer's expert function
+   (``RemoteExperts.__call__`` / ``run_experts``) splits each decode step into expert time and the rest; the
+   round trip of an empty handle call is measured too.
+
+Writes ``benchmarks/results/serving.{json,md,png}``.
+
+    .venv/bin/python benchmarks/bench_serving.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import json
+import os
+import re
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.report import write_report  # noqa: E402
+from deployments.engine import Engine, EngineConfig, GenerationRequest  # noqa: E402
+from model import load_model, load_tokenizer  # noqa: E402
+from model.layers.moe import SparseMoE  # noqa: E402
+from model.runner import ModelRunner  # noqa: E402
+
+COMMAND = ".venv/bin/python benchmarks/bench_serving.py"
+MODEL = "tiny-k3"
+NAME = "tiny"
+TARGETS = {"serving_overhead": 0.8, "batching_32_vs_1": 8.0, "expert_pool_vs_colocated": 0.5}
+
+_CODE = [
+    "def fib(n):\n", "import os\nimport sys\n", "class Stack:\n    def push(self, x):\n", "for i in range(10):\n",
+    "with open(path) as f:\n", "return sorted(items, key=", "raise ValueError(f\"bad {", "if __name__ == \"__main__\":\n",
+    "x = [i * i for i in ", "try:\n    import numpy\n", "async def fetch(url):\n", "@dataclass\nclass Point:\n",
+    "d = {k: v for k, v in ", "while queue:\n    node = ", "assert isinstance(v, ", "def __repr__(self):\n",
+]
+
+
+def prompts(n: int, salt: str = "") -> list[str]:
+    return [f"# {salt}{i}\n" + _CODE[i % len(_CODE)] for i in range(n)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pct(xs, q) -> float | None:
+    return float(np.percentile(xs, q)) if len(xs) else None
+
+
+def r3(x):
+    return None if x is None else round(float(x), 3)
+
+
+# -- HTTP client ---------------------------------------------------------------------------------
+async def _stream(client, url: str, key: str, model: str, prompt: str, max_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    chunks, text, usage = [], [], None
+    t_send = time.perf_counter()
+    async with client.stream("POST", url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                break
+            obj = json.loads(data)
+            if "error" in obj:
+                raise RuntimeError(f"stream error: {obj['error']}")
+            if obj.get("usage"):
+                usage = obj["usage"]
+            for ch in obj.get("choices", []):
+                if ch.get("finish_reason") is None:
+                    chunks.append(time.perf_counter())
+                    text.append(ch.get("text", ""))
+    t_end = time.perf_counter()
+    n = usage["completion_tokens"] if usage else len(chunks)
+    return {"model": model, "t_send": t_send, "t_first": chunks[0] if chunks else t_end, "t_end": t_end,
+            "t_last": chunks[-1] if chunks else t_end, "tokens": n, "chunks": len(chunks), "text": "".join(text),
+            "ttft": (chunks[0] if chunks else t_end) - t_send,
+            "tpot": (chunks[-1] - chunks[0]) / (n - 1) if n > 1 and chunks else None,
+            "server_ttft": usage["timings"]["time_to_first_token_s"] if usage else None,
+            "server_tpot": 1 / usage["timings"]["output_tokens_per_s"] if usage and usage["timings"]["output_tokens_per_s"] else None}
+
+
+def http_wave(base: str, key: str, specs: list[tuple[str, str]], max_tokens: int) -> dict:
+    """All ``specs`` (model id, prompt) at once; aggregate and per-request numbers."""
+    import httpx
+
+    async def run():
+        limits = httpx.Limits(max_connections=128, max_keepalive_connections=128)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits, trust_env=False) as client:
+            return await asyncio.gather(*(_stream(client, base, key, m, p, max_tokens) for m, p in specs))
+
+    w0 = time.perf_counter()
+    reqs = asyncio.run(run())
+    tokens = sum(r["tokens"] for r in reqs)
+    wall = max(r["t_end"] for r in reqs) - min(r["t_send"] for r in reqs)
+    decode_tokens = sum(r["tokens"] - 1 for r in reqs)
+    decode_window = max(r["t_last"] for r in reqs) - min(r["t_first"] for r in reqs)
+    return {"requests": reqs, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "decode_tokens_per_s": decode_tokens / decode_window if decode_window > 0 else None,
+            "elapsed_s": time.perf_counter() - w0}
+
+
+# -- CPU time per platform process (from /proc; Ray's processes are descendants of this one) -----------
+_REPLICA = re.compile(r"(deltaserve|pool-mode)[#:](ingress|prefill-\w+|decode-\w+|expert-pool-\d+)")
+
+
+def _component(cmdline: str) -> str:
+    m = _REPLICA.search(cmdline)
+    if m:
+        return ("" if m.group(1) == "deltaserve" else "pool-mode ") + m.group(2)
+    if "ProxyActor" in cmdline:
+        return "Serve HTTP proxy"
+    if "ServeController" in cmdline:
+        return "Serve controller"
+    return "Ray system (raylet, gcs, idle workers)"
+
+
+def cpu_by_component() -> dict[str, float]:
+    """CPU seconds (user + system) so far of every descendant of this process, by Serve component, plus
+    this process (the HTTP client while a wave runs)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    table: dict[int, tuple[int, float, str]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        table[int(d)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick, cmd)
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    out: dict[str, float] = {"client (this process)": time.process_time()}
+    stack = [os.getpid()]
+    while stack:
+        for c in children.get(stack.pop(), []):
+            stack.append(c)
+            name = _component(table[c][2])
+            out[name] = out.get(name, 0.0) + table[c][1]
+    return out
+
+
+def cpu_delta(before: dict, after: dict) -> dict[str, float]:
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+
+
+# -- in-process engine -------------------------------------------------------------------------
+class Timed:
+    """Wraps a MoE layer's expert function; accumulates wall time while ``on``."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.total, self.calls, self.on = fn, 0.0, 0, False
+
+    def __call__(self, *args):
+        t = time.perf_counter()
+        try:
+            return self.fn(*args)
+        finally:
+            if self.on:
+                self.total += time.perf_counter() - t
+                self.calls += 1
+
+
+def timed_experts(model) -> list[Timed]:
+    out = []
+    for layer in model.model.layers:
+        moe = getattr(layer, "block_sparse_moe", None)
+        if isinstance(moe, SparseMoE):
+            moe.expert_fn = Timed(moe.expert_fn)
+            out.append(moe.expert_fn)
+    return out
+
+
+def engine_run(model, tok, texts: list[str], max_tokens: int, *, max_num_seqs: int = 32, budget: int = 1024,
+               timers: list[Timed] | None = None) -> dict:
+    """All requests added at once; end-to-end and decode-phase numbers (wall and CPU time)."""
+    n = len(texts)
+    engine = Engine(ModelRunner(model, max(n, max_num_seqs)), tok,
+                    EngineConfig(num_slots=max(n, max_num_seqs), max_num_seqs=max_num_seqs,
+                                 max_num_batched_tokens=max(budget, max_num_seqs)))
+    text = {f"q{i}": "" for i in range(n)}
+    first: set[str] = set()
+    w0, c0 = time.perf_counter(), time.process_time()
+    for i, t in enumerate(texts):
+        engine.add_request(GenerationRequest(f"q{i}", tok.encode(t), max_tokens, ignore_eos=True))
+    tokens, dec_tokens, dec_wall, dec_cpu, dec_steps, expert_s = 0, 0, 0.0, 0.0, 0, 0.0
+    while engine.has_unfinished():
+        decoding = len(first) == n  # every request has its first token: a pure decode step follows
+        if decoding and timers:
+            for tm in timers:
+                tm.on = True
+        e0 = sum(tm.total for tm in timers) if timers else 0.0
+        s0, p0 = time.perf_counter(), time.process_time()
+        outs = engine.step()
+        s1, p1 = time.perf_counter(), time.process_time()
+        got = sum(len(o.new_token_ids) for o in outs)
+        tokens += got
+        for o in outs:
+            text[o.request_id] += o.new_text
+            if o.new_token_ids:
+                first.add(o.request_id)
+        if decoding:
+            dec_tokens += got
+            dec_wall += s1 - s0
+            dec_cpu += p1 - p0
+            dec_steps += 1
+            if timers:
+                expert_s += sum(tm.total for tm in timers) - e0
+    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+    if timers:
+        for tm in timers:
+            tm.on = False
+    return {"tokens": tokens, "wall_s": wall, "cpu_s": cpu, "tokens_per_s": tokens / wall,
+            "decode_tokens_per_s": dec_tokens / dec_wall if dec_wall else None,
+            "decode_tokens_per_s_cpu": dec_tokens / dec_cpu if dec_cpu else None,
+            "decode_steps": dec_steps, "decode_step_ms": 1e3 * dec_wall / dec_steps if dec_steps else None,
+            "expert_ms_per_step": 1e3 * expert_s / dec_steps if dec_steps and timers else None,
+            "texts": [text[f"q{i}"] for i in range(n)]}
+
+
+def local_frontend_run(loop, frontend, key: str, texts: list[str], max_tokens: int) -> dict:
+    """The platform's request path in-process: Frontend -> LocalBackend (Prefill, handoff, Decode).
+
+    ``loop``: one event loop for every call (each AsyncEngine binds its step loop to the first loop it runs on)."""
+    from deployments.api import CompletionInput, Finished
+
+    async def one(prompt):
+        inp = CompletionInput(model=NAME, prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        n = 0
+        async for ev in frontend.complete(f"Bearer {key}", inp):
+            if isinstance(ev, Finished):
+                n = ev.usage.completion_tokens
+        return n
+
+    async def run():
+        return await asyncio.gather(*(one(t) for t in texts))
+
+    w0 = time.perf_counter()
+    counts = loop.run_until_complete(run())
+    wall = time.perf_counter() - w0
+    return {"tokens": sum(counts), "wall_s": wall, "tokens_per_s": sum(counts) / wall}
+
+
+def decode_stats(app: str, pool: str) -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle(f"decode-{pool}", app_name=app).stats.remote().result()
+
+
+def batch_size(before: dict, after: dict) -> float | None:
+    steps = after["steps"] - before["steps"]
+    return (after["decode_tokens"] - before["decode_tokens"]) / steps if steps else None
+
+
+# -- main --------------------------------------------------------------------------------------
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=2, help="interleaved repetitions of the overhead comparison")
+    ap.add_argument("--skip-http-pool", action="store_true", help="skip the HTTP expert-pool wave")
+    ap.add_argument("--out-dir", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    t_start = time.perf_counter()
+    M = args.max_tokens
+
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+    from deployments.config import PlatformConfig
+    from deployments.decode import Decode
+    from deployments.expert_pool import attach_expert_pool
+    from deployments.frontend import Frontend
+    from deployments.local import LocalBackend
+    from deployments.prefill import Prefill
+    from deployments.tenants import TenantRegistry
+    from deployments.up import start
+    from tests.conftest import local_ray_env
+
+    tok = load_tokenizer(MODEL)
+    model = load_model(MODEL)
+    res: dict = {}
+    with local_ray_env(), tempfile.TemporaryDirectory(prefix="bench_serving_") as tmp:
+        reg = TenantRegistry()
+        _, key = reg.add("bench", pools=["standard", "highspeed"], rpm=1_000_000, tpm=1_000_000_000, max_context=8192)
+        reg.save(Path(tmp) / "tenants.yaml")
+        config = PlatformConfig(model=MODEL, model_name=NAME, tenants_file=str(Path(tmp) / "tenants.yaml"),
+                                http_port=free_port(), grpc_port=free_port(), num_slots=32, replica_num_cpus=0.05,
+                                torch_threads=1)
+        pool_config = config.model_copy(update={"expert_mode": "pool", "pools": {"standard": config.pools["standard"]}})
+        base = f"http://127.0.0.1:{config.http_port}"
+        print("starting Ray + Serve (deltaserve at /, pool-mode at /pool)...", flush=True)
+        t0 = time.perf_counter()
+        try:
+            if "extra_apps" in inspect.signature(start).parameters:  # deploys both apps declaratively
+                start(config, extra_apps=[("pool-mode", "/pool", pool_config)])
+            else:
+                start(config)
+                serve.run(build_app(pool_config), name="pool-mode", route_prefix="/pool")
+            res["startup_s"] = time.perf_counter() - t0
+            print(f"serving after {res['startup_s']:.0f} s", flush=True)
+            # warm-up: every path once
+            http_wave(base, key, [(NAME, "def f(x):\n"), (NAME + "-highspeed", "def g(y):\n")], 8)
+            http_wave(base + "/pool", key, [(NAME, "def h(z):\n")], 8)
+            engine_run(model, tok, ["def w():\n"] * 2, 8)
+
+            # a. serving overhead, 16 concurrent ------------------------------------------------
+            p16 = prompts(16, "a")
+            pre = {"standard": Prefill(config, "standard")}
+            dec = {"standard": Decode(config, "standard")}
+            frontend = Frontend(model_name=NAME, pools=["standard"], tokenizer=tok,
+                                registry=TenantRegistry.from_file(config.tenants_file),
+                                backend=LocalBackend(pre, dec), max_model_len=config.max_model_len)
+            loop = asyncio.new_event_loop()
+            local_frontend_run(loop, frontend, key, ["def w():\n"] * 2, 8)  # warm-up
+            a_http, a_eng, a_local, a_bs = [], [], [], []
+            a_cpu: list[dict] = []
+            for rep in range(args.reps):
+                s0, c0 = decode_stats("deltaserve", "standard"), cpu_by_component()
+                a_http.append(http_wave(base, key, [(NAME, p) for p in p16], M))
+                a_cpu.append(cpu_delta(c0, cpu_by_component()))
+                a_bs.append(batch_size(s0, decode_stats("deltaserve", "standard")))
+                a_eng.append(engine_run(model, tok, p16, M))
+                a_local.append(local_frontend_run(loop, frontend, key, p16, M))
+                print(f"a[{rep}] HTTP {a_http[-1]['tokens_per_s']:.0f} tok/s, engine {a_eng[-1]['tokens_per_s']:.0f}, "
+                      f"in-process frontend {a_local[-1]['tokens_per_s']:.0f}", flush=True)
+            for replica in (*pre.values(), *dec.values()):
+                loop.run_until_complete(replica.async_engine.shutdown())
+            loop.close()
+            del pre, dec, frontend
+            same_text = sum(h == e for h, e in zip([r["text"] for r in a_http[-1]["requests"]], a_eng[-1]["texts"]))
+            a_http_tps = statistics.median(w["tokens_per_s"] for w in a_http)
+            a_eng_tps = statistics.median(w["tokens_per_s"] for w in a_eng)
+            a_local_tps = statistics.median(w["tokens_per_s"] for w in a_local)
+            res["a"] = {"http_tokens_per_s": a_http_tps, "engine_tokens_per_s": a_eng_tps,
+                        "local_frontend_tokens_per_s": a_local_tps, "ratio": a_http_tps / a_eng_tps,
+                        "ratio_local": a_local_tps / a_eng_tps, "http_runs": [w["tokens_per_s"] for w in a_http],
+                        "engine_runs": [w["tokens_per_s"] for w in a_eng], "local_runs": [w["tokens_per_s"] for w in a_local],
+                        "http_texts_equal_engine": f"{same_text}/16", "decode_replica_avg_batch": a_bs,
+                        "http_ttft_p50_s": pct([r["ttft"] for w in a_http for r in w["requests"]], 50),
+                        "http_wall_s": [w["wall_s"] for w in a_http], "engine_cpu_s": [w["cpu_s"] for w in a_eng],
+                        "http_cpu_s_by_component": a_cpu, "tokens_per_wave": a_http[-1]["tokens"]}
+
+            # b. continuous batching, 32 vs 1 (in-process; then HTTP) ---------------------------
+            p32 = prompts(32, "b")
+            b1, b32 = [], []
+            for _ in range(2):
+                b1.append(engine_run(model, tok, p32[:1], M))
+                b32.append(engine_run(model, tok, p32, M))
+            e1 = statistics.median(r["decode_tokens_per_s"] for r in b1)
+            e32 = statistics.median(r["decode_tokens_per_s"] for r in b32)
+            e1c = statistics.median(r["decode_tokens_per_s_cpu"] for r in b1)
+            e32c = statistics.median(r["decode_tokens_per_s_cpu"] for r in b32)
+            print(f"b engine decode tok/s: 1 -> {e1:.0f}, 32 -> {e32:.0f} ({e32 / e1:.2f}x)", flush=True)
+            h1 = http_wave(base, key, [(NAME, p32[0])], M)
+            s0 = decode_stats("deltaserve", "standard")
+            h32 = http_wave(base, key, [(NAME, p) for p in p32], M)
+            h32_bs = batch_size(s0, decode_stats("deltaserve", "standard"))
+            print(f"b HTTP decode tok/s: 1 -> {h1['decode_tokens_per_s']:.0f}, 32 -> {h32['decode_tokens_per_s']:.0f}",
+                  flush=True)
+            res["b"] = {"engine_1": e1, "engine_32": e32, "ratio": e32 / e1, "engine_1_cpu": e1c, "engine_32_cpu": e32c,
+                        "ratio_cpu": e32c / e1c, "engine_step_ms_1": statistics.median(r["decode_step_ms"] for r in b1),
+                        "engine_step_ms_32": statistics.median(r["decode_step_ms"] for r in b32),
+                        "http_1": h1["decode_tokens_per_s"], "http_32": h32["decode_tokens_per_s"],
+                        "http_ratio": h32["decode_tokens_per_s"] / h1["decode_tokens_per_s"],
+                        "http_32_end_to_end_tokens_per_s": h32["tokens_per_s"], "http_32_decode_replica_avg_batch": h32_bs}
+
+            # d (HTTP part, next to the colocated 32-stream wave above) ---------------------------
+            if not args.skip_http_pool:
+                hp = http_wave(base + "/pool", key, [(NAME, p) for p in p32], M)
+                res["d_http"] = {"colocated": h32["decode_tokens_per_s"], "pool": hp["decode_tokens_per_s"],
+                                 "ratio": hp["decode_tokens_per_s"] / h32["decode_tokens_per_s"],
+                                 "colocated_end_to_end": h32["tokens_per_s"], "pool_end_to_end": hp["tokens_per_s"],
+                                 "pool_texts_equal_colocated": sum(a["text"] == b["text"] for a, b in
+                                                                   zip(hp["requests"], h32["requests"]))}
+                print(f"d HTTP decode tok/s at 32: colocated {h32['decode_tokens_per_s']:.0f}, "
+                      f"pool {hp['decode_tokens_per_s']:.0f}", flush=True)
+
+            # c. mixed load: 24 standard + 4 highspeed ------------------------------------------
+            waves = []
+            for w in range(2):
+                specs = [(NAME, p) for p in prompts(24, f"cs{w}")] + [(NAME + "-highspeed", p) for p in prompts(4, f"ch{w}")]
+                s_std, s_hs = decode_stats("deltaserve", "standard"), decode_stats("deltaserve", "highspeed")
+                waves.append(http_wave(base, key, specs, M))
+                waves[-1]["batch"] = {"standard": batch_size(s_std, decode_stats("deltaserve", "standard")),
+                                      "highspeed": batch_size(s_hs, decode_stats("deltaserve", "highspeed"))}
+            lat = {}
+            for pool, mid in (("standard", NAME), ("highspeed", NAME + "-highspeed")):
+                rs = [r for w in waves for r in w["requests"] if r["model"] == mid]
+                lat[pool] = {"n": len(rs)}
+                for k in ("ttft", "tpot", "server_ttft", "server_tpot"):
+                    vals = [r[k] for r in rs if r[k] is not None]
+                    lat[pool][f"{k}_p50_ms"] = 1e3 * pct(vals, 50)
+                    lat[pool][f"{k}_p95_ms"] = 1e3 * pct(vals, 95)
+                lat[pool]["decode_replica_avg_batch"] = [w["batch"][pool] for w in waves]
+            res["c"] = lat
+            print(f"c TPOT p50 ms: standard {lat['standard']['tpot_p50_ms']:.1f}, highspeed "
+                  f"{lat['highspeed']['tpot_p50_ms']:.1f}", flush=True)
+
+            # d. expert pool vs colocated, in-process with the real expert-pool deployments ------------
+            shards = [serve.get_deployment_handle(f"expert-pool-{s}", app_name="pool-mode")
+                      for s in range(pool_config.expert_shards)]
+            rtt = []
+            for _ in range(30):
+                t = time.perf_counter()
+                shards[0].stats.remote().result()
+                rtt.append(time.perf_counter() - t)
+            x1, i1, w1 = torch.randn(1, model.config.routed_expert_hidden_size or model.config.hidden_size), \
+                torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2)
+            layer_id = next(i for i, l in enumerate(model.model.layers) if hasattr(l, "block_sparse_moe"))
+            tiny = []
+            for _ in range(30):
+                t = time.perf_counter()
+                shards[0].run.remote(layer_id, x1, i1, w1).result()
+                tiny.append(time.perf_counter() - t)
+            pool_model = load_model(MODEL)
+            attach_expert_pool(pool_model, shards)
+            pool_timers = timed_experts(pool_model)
+            colo_model = load_model(MODEL)
+            colo_timers = timed_experts(colo_model)
+            # one MoE layer call in isolation with a realistic 32-token batch (router choices of random inputs)
+            moe0 = pool_model.model.layers[layer_id].block_sparse_moe
+            colo_moe0 = colo_model.model.layers[layer_id].block_sparse_moe
+            with torch.inference_mode():
+                xs = torch.randn(32, model.config.hidden_size)
+                idx32, w32 = colo_moe0.gate(xs)
+                xe = colo_moe0.routed_expert_down_proj(xs)
+                iso_remote, iso_colo = [], []
+                for _ in range(20):
+                    t = time.perf_counter()
+                    y_remote = moe0.expert_fn.fn(xe, idx32, w32, moe0.experts)
+                    iso_remote.append(time.perf_counter() - t)
+                    t = time.perf_counter()
+                    y_colo = colo_moe0.expert_fn.fn(xe, idx32, w32, colo_moe0.experts)
+                    iso_colo.append(time.perf_counter() - t)
+            iso_diff = float((y_remote - y_colo).abs().max())
+            d_pool, d_colo, d_cpu = [], [], []
+            n_dec = max(16, M // 2)
+            for _ in range(2):
+                d_colo.append(engine_run(colo_model, tok, p32, n_dec, timers=colo_timers))
+                c0 = cpu_by_component()
+                d_pool.append(engine_run(pool_model, tok, p32, n_dec, timers=pool_timers))
+                d_cpu.append(cpu_delta(c0, cpu_by_component()))
+            dp = statistics.median(r["decode_tokens_per_s"] for r in d_pool)
+            dc = statistics.median(r["decode_tokens_per_s"] for r in d_colo)
+            step_p = statistics.median(r["decode_step_ms"] for r in d_pool)
+            step_c = statistics.median(r["decode_step_ms"] for r in d_colo)
+            exp_p = statistics.median(r["expert_ms_per_step"] for r in d_pool)
+            exp_c = statistics.median(r["expert_ms_per_step"] for r in d_colo)
+            n_moe = len(pool_timers)
+            res["d"] = {"colocated": dc, "pool": dp, "ratio": dp / dc, "step_ms_colocated": step_c, "step_ms_pool": step_p,
+                        "expert_ms_colocated": exp_c, "expert_ms_pool": exp_p,
+                        "non_expert_ms_colocated": step_c - exp_c, "non_expert_ms_pool": step_p - exp_p,
+                        "moe_layers": n_moe, "remote_call_ms": exp_p / n_moe, "colocated_expert_call_ms": exp_c / n_moe,
+                        "handle_rtt_empty_ms_p50": 1e3 * statistics.median(rtt),
+                        "handle_rtt_1token_run_ms_p50": 1e3 * statistics.median(tiny),
+                        "texts_equal": sum(a == b for a, b in zip(d_pool[-1]["texts"], d_colo[-1]["texts"])),
+                        "decode_tokens_per_request": n_dec,
+                        "isolated_call_ms_remote": 1e3 * statistics.median(iso_remote),
+                        "isolated_call_ms_colocated": 1e3 * statistics.median(iso_colo),
+                        "isolated_call_max_abs_diff": iso_diff,
+                        "pool_run_cpu_s_by_component": d_cpu,
+                        "pool_run_wall_s": [r["wall_s"] for r in d_pool],
+                        "pool_run_steps": [r["decode_steps"] + 1 for r in d_pool]}
+            print(f"d in-process decode tok/s at 32: colocated {dc:.0f}, pool {dp:.0f} ({dp / dc:.2f}x); step "
+                  f"{step_c:.1f} vs {step_p:.1f} ms, experts {exp_c:.1f} vs {exp_p:.1f} ms/step", flush=True)
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+    res["elapsed_s"] = time.perf_counter() - t_start
+
+    # -- report -------------------------------------------------------------------------------------
+    a, b, c, d = res["a"], res["b"], res["c"], res["d"]
+    dh = res.get("d_http")
+    rows = [
+        {"measurement": "a. 16 streams: HTTP vs in-process Engine (tokens/s, end to end)", "platform": a["http_tokens_per_s"],
+         "in_process": a["engine_tokens_per_s"], "ratio": a["ratio"], "target": ">= 0.8", "met": a["ratio"] >= 0.8},
+        {"measurement": "a'. 16 streams: in-process Frontend+Prefill/Decode vs Engine", "platform": a["local_frontend_tokens_per_s"],
+         "in_process": a["engine_tokens_per_s"], "ratio": a["ratio_local"], "target": "", "met": ""},
+        {"measurement": "b. Engine decode tokens/s: 32 concurrent vs 1 (wall)", "platform": b["engine_32"],
+         "in_process": b["engine_1"], "ratio": b["ratio"], "target": ">= 8", "met": b["ratio"] >= 8},
+        {"measurement": "b. Engine decode tokens/s: 32 vs 1 (CPU time)", "platform": b["engine_32_cpu"],
+         "in_process": b["engine_1_cpu"], "ratio": b["ratio_cpu"], "target": ">= 8", "met": b["ratio_cpu"] >= 8},
+        {"measurement": "b. HTTP decode tokens/s: 32 streams vs 1", "platform": b["http_32"], "in_process": b["http_1"],
+         "ratio": b["http_ratio"], "target": "(>= 8)", "met": b["http_ratio"] >= 8},
+        {"measurement": "c. mixed 24+4: TPOT p50 ms, standard vs highspeed (client)", "platform": c["standard"]["tpot_p50_ms"],
+         "in_process": c["highspeed"]["tpot_p50_ms"], "ratio": c["standard"]["tpot_p50_ms"] / c["highspeed"]["tpot_p50_ms"],
+         "target": "highspeed lower", "met": c["highspeed"]["tpot_p50_ms"] < c["standard"]["tpot_p50_ms"]},
+        {"measurement": "d. in-process, real expert-pool deployments: pool vs colocated decode tokens/s at 32",
+         "platform": d["pool"], "in_process": d["colocated"], "ratio": d["ratio"], "target": ">= 0.5", "met": d["ratio"] >= 0.5},
+    ]
+    if dh:
+        rows.append({"measurement": "d. HTTP: /pool vs / decode tokens/s at 32 streams", "platform": dh["pool"],
+                     "in_process": dh["colocated"], "ratio": dh["ratio"], "target": ">= 0.5", "met": dh["ratio"] >= 0.5})
+    for r in rows:
+        for k in ("platform", "in_process", "ratio"):
+            r[k] = r3(r[k])
+
+    lat_lines = ["| pool | requests | TTFT p50 ms | TTFT p95 ms | TPOT p50 ms | TPOT p95 ms | usage TTFT p50 | usage TTFT p95 | "
+                 "usage TPOT p50 | usage TPOT p95 | decode replica avg batch |", "|" + "---|" * 11]
+    for pool in ("standard", "highspeed"):
+        L = c[pool]
+        lat_lines.append(f"| {pool} | {L['n']} | {L['ttft_p50_ms']:.0f} | {L['ttft_p95_ms']:.0f} | {L['tpot_p50_ms']:.1f} | "
+                         f"{L['tpot_p95_ms']:.1f} | {L['server_ttft_p50_ms']:.0f} | {L['server_ttft_p95_ms']:.0f} | "
+                         f"{L['server_tpot_p50_ms']:.1f} | {L['server_tpot_p95_ms']:.1f} | "
+                         f"{', '.join(f'{x:.1f}' for x in L['decode_replica_avg_batch'] if x is not None)} |")
+    comps = sorted({k for dct in a["http_cpu_s_by_component"] for k in dct},
+                   key=lambda k: -statistics.fmean(dct.get(k, 0.0) for dct in a["http_cpu_s_by_component"]))
+    ntok = a["tokens_per_wave"]
+    cpu_lines = ["| process (16-stream HTTP wave) | CPU s per wave | CPU ms per output token |", "|---|---|---|"]
+    for k in comps:
+        v = statistics.fmean(dct.get(k, 0.0) for dct in a["http_cpu_s_by_component"])
+        if v >= 0.005:
+            cpu_lines.append(f"| {k} | {v:.2f} | {1e3 * v / ntok:.2f} |")
+    cpu_total = statistics.fmean(sum(dct.values()) for dct in a["http_cpu_s_by_component"])
+    http_wall = statistics.fmean(a["http_wall_s"])
+    cpu_lines.append(f"| **all** (wave wall time {http_wall:.2f} s x 2 cores = {2 * http_wall:.2f} CPU s available) | "
+                     f"{cpu_total:.2f} | {1e3 * cpu_total / ntok:.2f} |")
+    cpu_lines.append(f"| in-process Engine, same 16 requests | {statistics.fmean(a['engine_cpu_s']):.2f} | "
+                     f"{1e3 * statistics.fmean(a['engine_cpu_s']) / ntok:.2f} |")
+    d_lines = ["| per decode step, 32 sequences | colocated | expert pool |", "|---|---|---|",
+               f"| step (ms) | {d['step_ms_colocated']:.1f} | {d['step_ms_pool']:.1f} |",
+               f"| in the {d['moe_layers']} MoE layers' expert function (ms) | {d['expert_ms_colocated']:.1f} | {d['expert_ms_pool']:.1f} |",
+               f"| per MoE layer call (ms) | {d['colocated_expert_call_ms']:.2f} | {d['remote_call_ms']:.2f} |",
+               f"| everything else: attention, router, shared expert, norms, engine (ms) | {d['non_expert_ms_colocated']:.1f} | "
+               f"{d['non_expert_ms_pool']:.1f} |",
+               f"| decode tokens/s | {d['colocated']:.0f} | {d['pool']:.0f} |"]
+    notes = "\n".join([
+        f"tiny-k3 (random weights), greedy, {M} new tokens per request (d in-process: {d['decode_tokens_per_request']}), "
+        f"ignore_eos, torch 1 thread everywhere, one replica per deployment, replica_num_cpus 0.05; 2 shared CPU "
+        f"cores (load average {os.getloadavg()[0]:.1f} at the end; other jobs were running). Serve up in "
+        f"{res['startup_s']:.0f} s; whole run {res['elapsed_s']:.0f} s. Columns `platform` / `in_process` hold the two "
+        "sides of each ratio (for b: 32 / 1; for c: standard / highspeed; for d: pool / colocated).",
+        "",
+        f"**a.** 16 concurrent streams, end to end: HTTP {a['http_tokens_per_s']:.0f} tokens/s vs in-process Engine "
+        f"{a['engine_tokens_per_s']:.0f} tokens/s = **{a['ratio']:.2f}** (target >= 0.8); runs HTTP "
+        f"{[round(x) for x in a['http_runs']]}, Engine {[round(x) for x in a['engine_runs']]}, in-process frontend "
+        f"{[round(x) for x in a['local_runs']]}. HTTP texts equal to the Engine's: {a['http_texts_equal_engine']}. "
+        f"The decode replica ran on average {', '.join(f'{x:.1f}' for x in a['decode_replica_avg_batch'] if x)} sequences "
+        f"per step during the HTTP waves (the in-process Engine: 16). CPU time of each process during the HTTP "
+        f"waves (from /proc; mean of {len(a['http_cpu_s_by_component'])} waves):",
+        "",
+        *cpu_lines,
+        "",
+        f"**b.** Engine decode tokens/s: 1 sequence {b['engine_1']:.0f} (step {b['engine_step_ms_1']:.1f} ms), "
+        f"32 sequences {b['engine_32']:.0f} (step {b['engine_step_ms_32']:.1f} ms): **{b['ratio']:.2f}x** wall, "
+        f"{b['ratio_cpu']:.2f}x CPU time (target >= 8x). Through HTTP: {b['http_1']:.0f} vs {b['http_32']:.0f} = "
+        f"{b['http_ratio']:.2f}x (decode replica average batch {b['http_32_decode_replica_avg_batch'] or 0:.1f}).",
+        "",
+        "**c.** Mixed load, 24 standard + 4 highspeed streams at once, two waves (TTFT/TPOT: client chunk times; "
+        "`usage` columns: the platform's `usage.timings`, TPOT = 1 / output_tokens_per_s):",
+        "",
+        *lat_lines,
+        "",
+        f"**d.** Expert pool vs colocated at 32 concurrent, in-process Engine using the real `expert-pool-0/1` "
+        f"Serve deployments: **{d['ratio']:.2f}** (target >= 0.5)"
+        + (f"; through HTTP (`/pool` vs `/`): {dh['ratio']:.2f} (texts equal: {dh['pool_texts_equal_colocated']}/32)" if dh else "")
+        + f". In-process texts equal: {d['texts_equal']}/32. Where the time goes:",
+        "",
+        *d_lines,
+        "",
+        f"One MoE layer call alone with 32 tokens: remote {d['isolated_call_ms_remote']:.2f} ms vs colocated "
+        f"{d['isolated_call_ms_colocated']:.2f} ms (max abs difference {d['isolated_call_max_abs_diff']:.1e}). "
+        f"CPU seconds per pool-mode run (wall {statistics.fmean(d['pool_run_wall_s']):.1f} s, "
+        f"{statistics.fmean(d['pool_run_steps']):.0f} steps): "
+        + ", ".join(f"{label} {statistics.fmean(x.get(k, 0.0) for x in d['pool_run_cpu_s_by_component']):.2f}"
+                    for k, label in (("client (this process)", "this process (engine + handles)"),
+                                     ("pool-mode expert-pool-0", "expert-pool-0"),
+                                     ("pool-mode expert-pool-1", "expert-pool-1"),
+                                     ("Ray system (raylet, gcs, idle workers)", "Ray system")))
+        + ". "
+        f"Each remote MoE layer call sends the step's tokens to both shards concurrently and waits for both "
+        f"(`.remote().result()`); {d['moe_layers']} such round trips per step run one after another. An empty "
+        f"handle call (`stats`) takes {d['handle_rtt_empty_ms_p50']:.2f} ms p50 from this process, a 1-token `run` "
+        f"{d['handle_rtt_1token_run_ms_p50']:.2f} ms: "
+        f"{d['moe_layers']} x {d['handle_rtt_1token_run_ms_p50']:.1f} = "
+        f"{d['moe_layers'] * d['handle_rtt_1token_run_ms_p50']:.0f} ms per step is transport before any expert "
+        f"compute; the remote expert time per step exceeds the colocated one by "
+        f"{d['expert_ms_pool'] - d['expert_ms_colocated']:.1f} ms.",
+    ])
+
+    def plot(ax, _rows):
+        names = ["a HTTP/engine", "b 32 vs 1", "d pool/colocated"]
+        got = [a["ratio"], b["ratio"], d["ratio"]]
+        tgt = [0.8, 8.0, 0.5]
+        xs = np.arange(len(names))
+        ax.bar(xs - 0.2, got, 0.4, label="measured")
+        ax.bar(xs + 0.2, tgt, 0.4, label="target", color="lightgray")
+        ax.set_xticks(xs, names)
+        ax.set_yscale("log")
+        ax.set_ylabel("ratio")
+        tp = [c["standard"]["tpot_p50_ms"], c["highspeed"]["tpot_p50_ms"]]
+        ax.text(0.02, 0.97, f"c TPOT p50: standard {tp[0]:.0f} ms, highspeed {tp[1]:.0f} ms", transform=ax.transAxes,
+                va="top", fontsize=8)
+        ax.legend(loc="upper right")
+
+    kw = {"out_dir": args.out_dir} if args.out_dir else {}
+    write_report("serving", rows, columns=["measurement", "platform", "in_process", "ratio", "target", "met"], plot=plot,
+                 command=COMMAND, title="Serving on Ray Serve (tiny-k3): overhead, batching, pools, expert pool",
+                 notes=notes, **kw)
+    path = (args.out_dir or ROOT / "benchmarks" / "results") / "serving.json"
+    record = json.loads(Path(path).read_text())
+    record["details"] = res
+    Path(path).write_text(json.dumps(record, indent=2, default=str) + "\n")
+
+    print()
+    for r in rows:
+        print(f"{r['measurement'][:78]:78s} {r['platform']!s:>9s} {r['in_process']!s:>9s} ratio {r['ratio']!s:>7s} "
+              f"target {r['target']:>15s} {r['met']}")
+    print("\n".join(lat_lines))
+    print(f"elapsed {res['elapsed_s']:.0f} s")
+    print(f"Reproduce: {COMMAND}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

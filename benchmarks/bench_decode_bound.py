@@ -395,14 +395,14 @@ def main() -> int:
         f"{counts['moe_layers']} layers per step, plus gather/scatter ops for each).",
         "",
         f"Top operators by self CPU time (torch.profiler over {args.profile_steps} steps; the profiler inflates "
-        f"small ops, shares are indicative). {ops_per_step:.0f} aten operator calls per step, i.e. "
-        f"{1e6 * step_wall / ops_per_step:.1f} us of wall time per operator call on average."
+        f"small ops, shares are indicative). {ops_per_step:.0f} aten operator events per step (nested calls such as "
+        f"linear -> matmul -> mm counted each), i.e. {1e6 * step_wall / ops_per_step:.1f} us of step time per event."
         + (f" `aten::mm`: {mm_row['calls_per_step']:.0f} calls per step." if mm_row else ""),
         "",
         *op_lines,
         "",
-        "The small matmuls the step is made of, timed alone (a per-call floor of a few microseconds; far from the "
-        "large-matmul throughput above):",
+        f"The matmul shapes the step is made of, timed alone (compare the {mm:.0f} GFLOP/s of the large matmul; "
+        f"the routed experts see ~{2 * N / model.config.num_experts:.0f} tokens each):",
         "",
         *sm_lines,
     ])

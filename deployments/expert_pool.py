@@ -71,9 +71,9 @@ class RemoteExperts:
             sub_idx = _own_fill(idx[rows], mine[rows])
             sub_w = torch.where(mine[rows], w[rows], torch.zeros_like(w[rows]))
             pending.append((rows, shard.run.remote(self.layer, x[rows].contiguous(), sub_idx, sub_w)))
-        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         for rows, response in pending:
-            out.index_add_(0, rows, response.result().float())
+            out.index_add_(0, rows, response.result().to(out.device, torch.float32))
         return out.to(x.dtype)
 
 

@@ -120,7 +120,7 @@ def _usage_json(fin: Finished) -> dict:
 
 def _headers(fin: Finished | None, pool: str) -> dict:
     return {"x-deltaserve-pool": pool, "x-deltaserve-replica": fin.replica if fin else "",
-            "x-request-id": fin.request_id if fin else ""}
+            "x-deltaserve-request-id": fin.request_id if fin else ""}
 
 
 async def _first(events: AsyncIterator) -> list:

@@ -55,6 +55,9 @@ _TINY_K3_TEXT = {
     "topk_group": 1,
     "attn_res_block_size": 2,
     "tie_word_embeddings": False,
+    "bos_token_id": 256,
+    "eos_token_id": 257,
+    "pad_token_id": 257,
     "linear_attn_config": {
         "num_heads": 4,
         "head_dim": 64,
@@ -103,6 +106,9 @@ PRESETS: dict[str, dict] = {
         "num_expert_group": 1,
         "topk_group": 1,
         "tie_word_embeddings": False,
+        "bos_token_id": 256,
+        "eos_token_id": 257,
+        "pad_token_id": 257,
         "linear_attn_config": {
             "num_heads": 2,
             "head_dim": 64,

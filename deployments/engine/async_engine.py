@@ -86,7 +86,9 @@ class AsyncEngine:
             raise RuntimeError("AsyncEngine was shut down")
 
     def _start(self) -> None:
-        if self._loop_task is None:
+        loop = asyncio.get_running_loop()
+        if self._loop_task is None or (self._loop_task.done() and self._error is None) or self._loop_task.get_loop() is not loop:
+            # first use, or a new event loop (a finished loop's task can never step again)
             self._wake = asyncio.Event()
             self._loop_task = asyncio.get_running_loop().create_task(self._run(self._wake))
 

@@ -37,6 +37,10 @@ class ModelNotFound(ApiError):
     status, grpc_code, code, type = 404, "NOT_FOUND", "model_not_found", "invalid_request_error"
 
 
+class InternalError(ApiError):
+    status, grpc_code, code, type = 500, "INTERNAL", "internal_error", "server_error"
+
+
 class Unavailable(ApiError):
     status, grpc_code, code, type = 503, "UNAVAILABLE", "service_unavailable", "server_error"
 
@@ -74,6 +78,7 @@ class ModelCard:
 class TextDelta:
     text: str  # newly decoded text (may be empty while bytes are held back)
     token_ids: tuple[int, ...]  # newly generated token ids
+    request_id: str = ""  # the completion's id (the same on every event of one request)
 
 
 @dataclass(frozen=True, slots=True)

@@ -136,7 +136,7 @@ class Frontend:
                     replica, reason = result.replica, result.finish_reason
                     n_out = 1 if reason == "length" else 0
                     if result.text or n_out:
-                        yield TextDelta(result.text, (result.first_token,) if n_out else ())
+                        yield TextDelta(result.text, (result.first_token,) if n_out else (), request_id)
                 else:
                     dreq = DecodeRequest(preq, result.first_token, result.state, carrier)
                     async for chunk in self.backend.decode(pool, dreq):
@@ -144,7 +144,7 @@ class Frontend:
                             t_first = time.perf_counter()
                         n_out, replica = chunk.num_output_tokens, chunk.replica
                         if chunk.text or chunk.token_ids:
-                            yield TextDelta(chunk.text, chunk.token_ids)
+                            yield TextDelta(chunk.text, chunk.token_ids, request_id)
                         if chunk.finished:
                             reason = chunk.finish_reason or "length"
             except BaseException:

@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .api import ApiError, BadRequest, ChatMessage, CompletionInput, Finished, TextDelta
+from .api import ApiError, BadRequest, ChatMessage, CompletionInput, Finished, InternalError, TextDelta
 
 log = logging.getLogger("deltaserve.http")
 
@@ -225,6 +225,7 @@ async def _sse(events: AsyncIterator, chat: bool, created: int, include_usage: b
     try:
         async for ev in events:
             if isinstance(ev, TextDelta):
+                rid = ev.request_id
                 delta = {"role": "assistant", "content": ev.text} if chat and first else {"content": ev.text}
                 choice = {"index": 0, "delta": delta, "finish_reason": None} if chat else \
                     {"index": 0, "text": ev.text, "finish_reason": None, "logprobs": None}
@@ -246,4 +247,4 @@ async def _sse(events: AsyncIterator, chat: bool, created: int, include_usage: b
 
 def _internal(e: Exception) -> JSONResponse:
     log.exception("internal error", exc_info=e)
-    return error_response(type("Internal", (ApiError,), {"status": 500, "type": "server_error", "code": "internal_error"})("internal error"))
+    return error_response(InternalError("internal error"))

@@ -43,12 +43,13 @@ def platform(tmp_path_factory):
     reg = TenantRegistry()
     _, alice = reg.add("alice", pools=["standard", "highspeed"], rpm=10_000, tpm=10_000_000, max_context=4096)
     _, bob = reg.add("bob", pools=["standard"], rpm=3, tpm=100_000, max_context=64)
+    _, carol = reg.add("carol", pools=["standard"], rpm=2, tpm=100_000, max_context=64)
     reg.save(tmp / "tenants.yaml")
     config = PlatformConfig(model=MODEL, model_name="tiny", tenants_file=str(tmp / "tenants.yaml"),
                             http_port=_free_port(), grpc_port=_free_port(), trace_memory=True, num_slots=16)
     pool_config = config.model_copy(update={"expert_mode": "pool"})
     start(config, extra_apps=[("pool-mode", "/pool", pool_config)])
-    yield {"config": config, "alice": alice, "bob": bob, "http": f"http://127.0.0.1:{config.http_port}",
+    yield {"config": config, "alice": alice, "bob": bob, "carol": carol, "http": f"http://127.0.0.1:{config.http_port}",
            "grpc": f"127.0.0.1:{config.grpc_port}"}
     serve.shutdown()
     ray.shutdown()
@@ -106,6 +107,7 @@ def test_streaming_completions_and_chat(platform, reference):
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == _text(reference("import os\n", 9))
     assert chunks[-1].usage.completion_tokens == 9
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("cmpl-")
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     chat = list(client.chat.completions.create(model="tiny-highspeed", messages=[{"role": "user", "content": "hi"}],
                                                max_tokens=5, temperature=0, stream=True, extra_body={"ignore_eos": True}))
@@ -256,3 +258,24 @@ def test_replicas_change_independently_while_requests_flow(platform):
     status = serve.status().applications["deltaserve"].deployments
     assert status["decode-standard"].replica_states.get("RUNNING", 0) == 2
     assert status["prefill-standard"].replica_states.get("RUNNING", 0) == 1
+
+
+def test_grpc_invalid_argument_and_rate_limit_then_serving_continues(platform):
+    stub = _grpc(platform)
+    alice = [("authorization", f"Bearer {platform['alice']}"), ("application", "deltaserve")]
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Generate(pb.GenerateRequest(model="tiny", prompt="x", max_tokens=-1), metadata=alice, timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in e.value.details()
+    carol = [("authorization", f"Bearer {platform['carol']}"), ("application", "deltaserve")]
+    codes = []
+    for _ in range(3):
+        try:
+            stub.Generate(pb.GenerateRequest(model="tiny", prompt="x", max_tokens=1), metadata=carol, timeout=60)
+            codes.append(grpc.StatusCode.OK)
+        except grpc.RpcError as err:
+            codes.append(err.code())
+            limited = err
+    assert codes == [grpc.StatusCode.OK, grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert int(dict(limited.trailing_metadata())["retry-after"]) >= 1
+    ok = stub.Generate(pb.GenerateRequest(model="tiny", prompt="x", max_tokens=2, ignore_eos=True), metadata=alice, timeout=60)
+    assert ok.usage.completion_tokens == 2

@@ -1,0 +1,40 @@
+import pytest
+from pydantic import ValidationError
+
+from deployments.config import PlatformConfig
+from deployments.up import parse_replicas, serve_schema
+
+
+def test_defaults_are_the_embedded_single_machine_setup():
+    c = PlatformConfig()
+    assert (c.model, c.host, c.http_port, c.grpc_port, c.expert_mode) == ("k3-tiny", "127.0.0.1", 8000, 9000, "colocated")
+    assert c.model_id("standard") == "k3-tiny" and c.model_id("highspeed") == "k3-tiny-highspeed"
+    assert c.pools["highspeed"].max_num_seqs < c.pools["standard"].max_num_seqs
+
+
+def test_replica_overrides_change_only_the_named_deployment():
+    c = PlatformConfig().with_replicas(parse_replicas(["decode-standard=2", "prefill-highspeed=3"]))
+    assert (c.pools["standard"].decode_replicas, c.pools["standard"].prefill_replicas) == (2, 1)
+    assert c.pools["highspeed"].prefill_replicas == 3
+    schema = serve_schema([("deltaserve", "/", c)])
+    app = schema.applications[0]
+    assert {d.name: d.num_replicas for d in app.deployments}["decode-standard"] == 2
+    # counts are not in the builder's args: a count change is a lightweight update
+    assert app.args == serve_schema([("deltaserve", "/", PlatformConfig())]).applications[0].args
+
+
+@pytest.mark.parametrize("items,message", [(["decode-standard"], "NAME=COUNT"), (["decode-standard=x"], "NAME=COUNT")])
+def test_parse_replicas_errors(items, message):
+    with pytest.raises(ValueError, match=message):
+        parse_replicas(items)
+
+
+def test_bad_overrides_and_fields_are_named():
+    with pytest.raises(ValueError, match="'expert-pool-0'.*valid"):
+        PlatformConfig().with_replicas({"expert-pool-0": 2})
+    with pytest.raises(ValueError, match="must be >= 1, got 0"):
+        PlatformConfig().with_replicas({"decode-standard": 0})
+    with pytest.raises(ValidationError, match="turbo"):
+        PlatformConfig(pools={"standard": {}, "turbo": {}})
+    with pytest.raises(ValidationError, match="extra"):
+        PlatformConfig.load({"modle": "k3-tiny"})

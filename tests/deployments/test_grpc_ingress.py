@@ -46,7 +46,7 @@ SERVICE = "deltaserve.v1.Inference"
 
 
 # ----------------------------------------------------------------------------------------
-# Test double for the lead's frontend (deployments/api.py interface)
+# Test double for deployments.frontend.Frontend (the interface in deployments/api.py)
 # ----------------------------------------------------------------------------------------
 
 

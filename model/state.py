@@ -189,45 +189,73 @@ class SequenceState:
         tensors = [(f"kda.{i}", t) for i, t in enumerate(self.kda)]
         tensors += [(f"conv.{i}", t) for i, t in enumerate(self.conv)]
         tensors += [(f"mla.{i}", t) for i, t in enumerate(self.mla)]
-        header = {
-            "fingerprint": self.fingerprint,
-            "position": self.position,
-            "tensors": [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in tensors],
-        }
-        head = json.dumps(header, separators=(",", ":")).encode()
-        body = b"".join(_tensor_bytes(t) for _, t in tensors)
-        payload = _MAGIC + struct.pack("<HI", _VERSION, len(head)) + head + body
-        return payload + hashlib.blake2b(payload, digest_size=16).digest()
+        return encode_tensors(_MAGIC, {"fingerprint": self.fingerprint, "position": self.position}, tensors)
 
     @classmethod
     def from_bytes(cls, data: bytes, expected_fingerprint: str | None = None) -> "SequenceState":
         """Decode and verify; raises ValueError on a bad magic, version, checksum or layout."""
-        if len(data) < 4 + 6 + 16 or data[:4] != _MAGIC:
-            raise ValueError("not a deltaserve state snapshot (bad magic or too short)")
-        payload, digest = data[:-16], data[-16:]
-        if hashlib.blake2b(payload, digest_size=16).digest() != digest:
-            raise ValueError("state snapshot checksum mismatch (corrupt or truncated)")
-        version, head_len = struct.unpack_from("<HI", payload, 4)
-        if version != _VERSION:
-            raise ValueError(f"state snapshot version {version} is not supported (expected {_VERSION})")
-        header = json.loads(payload[10 : 10 + head_len])
+        header, tensors = decode_tensors(data, _MAGIC, what="state snapshot")
         if expected_fingerprint is not None and header["fingerprint"] != expected_fingerprint:
             raise ValueError(f"snapshot is for model {header['fingerprint']}, expected {expected_fingerprint}")
-        offset = 10 + head_len
         groups: dict[str, list[torch.Tensor]] = {"kda": [], "conv": [], "mla": []}
-        for name, dtype_name, shape in header["tensors"]:
-            dtype = _DTYPES.get(dtype_name)
-            if dtype is None:
-                raise ValueError(f"snapshot tensor {name} has unsupported dtype {dtype_name!r}")
-            n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-            raw = bytearray(payload[offset : offset + n])
-            if len(raw) != n:
-                raise ValueError(f"snapshot tensor {name} is truncated")
-            groups[name.split(".")[0]].append(torch.frombuffer(raw, dtype=dtype).reshape(shape) if n else torch.empty(shape, dtype=dtype))
-            offset += n
-        if offset != len(payload):
-            raise ValueError(f"snapshot has {len(payload) - offset} trailing bytes")
+        for name, t in tensors:
+            kind = name.split(".")[0]
+            if kind not in groups:
+                raise ValueError(f"state snapshot has an unknown tensor {name!r}")
+            groups[kind].append(t)
         return cls(header["fingerprint"], header["position"], groups["kda"], groups["conv"], groups["mla"])
+
+
+def encode_tensors(magic: bytes, meta: dict, tensors: list[tuple[str, torch.Tensor]]) -> bytes:
+    """A self-describing blob: ``magic`` (4 bytes), version, JSON header (``meta`` plus every
+    tensor's name, dtype and shape), the raw tensor bytes, and a 16-byte blake2b of all of it.
+    Nothing in it is ever unpickled: :func:`decode_tensors` reads the header and the raw bytes."""
+    if len(magic) != 4:
+        raise ValueError(f"magic must be 4 bytes, got {magic!r}")
+    if "tensors" in meta:
+        raise ValueError("meta must not have a 'tensors' key (the codec writes it)")
+    header = {**meta, "tensors": [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in tensors]}
+    head = json.dumps(header, separators=(",", ":")).encode()
+    body = b"".join(_tensor_bytes(t) for _, t in tensors)
+    payload = magic + struct.pack("<HI", _VERSION, len(head)) + head + body
+    return payload + hashlib.blake2b(payload, digest_size=16).digest()
+
+
+def decode_tensors(data: bytes, magic: bytes, *, what: str = "blob") -> tuple[dict, list[tuple[str, torch.Tensor]]]:
+    """Verify and decode an :func:`encode_tensors` blob: (header, [(name, tensor)]).
+
+    Raises ValueError naming ``what`` on a bad magic, version, checksum, header or length;
+    the tensors own their memory (writable, independent of ``data``)."""
+    if len(data) < 4 + 6 + 16 or data[:4] != magic:
+        raise ValueError(f"not a deltaserve {what} (bad magic or too short)")
+    payload, digest = data[:-16], data[-16:]
+    if hashlib.blake2b(payload, digest_size=16).digest() != digest:
+        raise ValueError(f"{what} checksum mismatch (corrupt or truncated)")
+    version, head_len = struct.unpack_from("<HI", payload, 4)
+    if version != _VERSION:
+        raise ValueError(f"{what} version {version} is not supported (expected {_VERSION})")
+    try:
+        header = json.loads(payload[10 : 10 + head_len])
+        specs = [(str(n), str(d), [int(x) for x in shape]) for n, d, shape in header["tensors"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{what} header is malformed: {e}") from e
+    offset = 10 + head_len
+    tensors = []
+    for name, dtype_name, shape in specs:
+        dtype = _DTYPES.get(dtype_name)
+        if dtype is None:
+            raise ValueError(f"{what} tensor {name} has unsupported dtype {dtype_name!r}")
+        if any(x < 0 for x in shape):
+            raise ValueError(f"{what} tensor {name} has a negative dimension {shape}")
+        n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        raw = bytearray(payload[offset : offset + n])
+        if len(raw) != n:
+            raise ValueError(f"{what} tensor {name} is truncated")
+        tensors.append((name, torch.frombuffer(raw, dtype=dtype).reshape(shape) if n else torch.empty(shape, dtype=dtype)))
+        offset += n
+    if offset != len(payload):
+        raise ValueError(f"{what} has {len(payload) - offset} trailing bytes")
+    return header, tensors
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:

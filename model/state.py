@@ -150,6 +150,14 @@ class StatePool:
             mla=[buffers[slot][:position].clone() for buffers in self.mla_kv],
         )
 
+    def kda_snapshot(self, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of a slot's KDA recurrent states and conv tails (fixed size, whatever the position)."""
+        return [t[slot].clone() for t in self.kda_state], [t[slot].clone() for t in self.conv_state]
+
+    def mla_rows(self, slot: int, start: int, end: int) -> list[torch.Tensor]:
+        """Copies of a slot's MLA latent rows ``start:end``, one tensor per MLA layer."""
+        return [buffers[slot][start:end].clone() for buffers in self.mla_kv]
+
     def restore(self, slot: int, state: "SequenceState") -> None:
         """Load a snapshot into ``slot``; the caller continues from ``state.position``."""
         if state.fingerprint != self.config.fingerprint():

@@ -7,10 +7,12 @@ handoff, and its asyncio front. No Ray here: the Serve deployments wrap these cl
 from .async_engine import AsyncEngine
 from .engine import Engine, EngineConfig, EngineStats
 from .scheduler import ScheduledChunk, Scheduler, SchedulerOutput
-from .sequence import FinishReason, GenerationRequest, RequestOutput, Sequence, SequenceStatus
+from .sequence import Checkpoint, CheckpointPlan, FinishReason, GenerationRequest, RequestOutput, Sequence, SequenceStatus
 
 __all__ = [
     "AsyncEngine",
+    "Checkpoint",
+    "CheckpointPlan",
     "Engine",
     "EngineConfig",
     "EngineStats",

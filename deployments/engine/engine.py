@@ -24,7 +24,7 @@ from model.state import SequenceState
 from model.tokenizer import Tokenizer
 
 from .scheduler import Scheduler, SchedulerOutput
-from .sequence import FinishReason, GenerationRequest, RequestOutput, Sequence
+from .sequence import Checkpoint, CheckpointPlan, FinishReason, GenerationRequest, RequestOutput, Sequence
 
 
 @dataclass(frozen=True)
@@ -90,46 +90,73 @@ class Engine:
         resume_state: SequenceState | None = None,
         first_token: int | None = None,
         keep_state_on_finish: bool = False,
+        cached_prefix: SequenceState | None = None,
+        replay_ids: list[int] | tuple[int, ...] = (),
+        checkpoint_plan: CheckpointPlan | None = None,
     ) -> None:
         """Queue a request.
 
         ``resume_state`` (with ``first_token``): continue a prefill handoff. The state holds
-        exactly the prompt (``position == len(prompt_ids)``); ``first_token`` is the token the
-        prefill side sampled: output token 1, reported in this request's first output. Only
-        decode steps run for it. A seeded request replays the draw that sampled
-        ``first_token``, so its stream continues exactly as on a single engine.
+        exactly the known tokens (``position == len(prompt_ids) + len(replay_ids)``);
+        ``first_token`` is the token the prefill side sampled, reported in this request's
+        first output. Only decode steps run for it. A seeded request replays the draw that
+        sampled ``first_token``, so its stream continues exactly as on a single engine.
+
+        ``cached_prefix``: the state after the first ``position`` known tokens (from the
+        prefix cache, ``position`` < the known tokens); it is restored and only the rest is
+        computed. Its tokens count as cached (``num_cached_tokens``, up to the prompt's length).
+
+        ``replay_ids``: output tokens already produced and delivered for this request by a
+        replica that failed; they count against ``max_tokens``, are computed (or covered by
+        ``cached_prefix``/``resume_state``) but not reported again, and a seeded request
+        replays their draws.
+
+        ``checkpoint_plan``: cut MLA blocks and KDA checkpoints as the state grows; they
+        arrive in :attr:`RequestOutput.checkpoints` (see :class:`CheckpointPlan`).
 
         ``keep_state_on_finish``: the final output (stop or length) carries the state after
         the computed tokens, in host memory.
 
         Raises ValueError (naming the value) for a request_id in use (also while its final
         output is still to be reported by :meth:`step`), a prompt longer than
-        max_model_len, a token id outside the vocabulary, or a resume_state that does not fit.
+        max_model_len, a token id outside the vocabulary, or a state that does not fit.
         """
-        rid, n, vocab = req.request_id, len(req.prompt_ids), self.runner.config.vocab_size
+        rid, vocab = req.request_id, self.runner.config.vocab_size
+        n = len(req.prompt_ids) + len(replay_ids)
         if rid in self._seqs or any(o.request_id == rid for o in self._outputs):
             raise ValueError(f"request_id {rid!r} is already in use")
         if n > self.config.max_model_len:
             raise ValueError(f"prompt of request {rid!r} has {n} tokens, more than max_model_len={self.config.max_model_len}")
-        bad = [t for t in (*req.prompt_ids, *req.stop_token_ids) if not 0 <= t < vocab]
+        bad = [t for t in (*req.prompt_ids, *req.stop_token_ids, *replay_ids) if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} of request {rid!r} is outside the vocabulary 0..{vocab - 1}")
         if (resume_state is None) != (first_token is None):
             raise ValueError(f"resume_state and first_token go together, got first_token={first_token!r} "
                              f"and {'a' if resume_state is not None else 'no'} resume_state")
+        if resume_state is not None and cached_prefix is not None:
+            raise ValueError(f"request {rid!r}: resume_state and cached_prefix are exclusive")
+        for what, state in (("resume_state", resume_state), ("cached_prefix", cached_prefix)):
+            if state is not None and state.fingerprint != self.runner.config.fingerprint():
+                raise ValueError(f"{what} is for model {state.fingerprint}, this engine serves {self.runner.config.fingerprint()}")
         if resume_state is not None:
             if resume_state.position != n:
-                raise ValueError(f"resume_state.position={resume_state.position} must equal len(prompt_ids)={n} (request {rid!r})")
-            if resume_state.fingerprint != self.runner.config.fingerprint():
-                raise ValueError(f"resume_state is for model {resume_state.fingerprint}, "
-                                 f"this engine serves {self.runner.config.fingerprint()}")
+                raise ValueError(f"resume_state.position={resume_state.position} must equal the known tokens "
+                                 f"len(prompt_ids) + len(replay_ids) = {n} (request {rid!r})")
             if not 0 <= first_token < vocab:  # type: ignore[operator]
                 raise ValueError(f"first_token {first_token} is outside the vocabulary 0..{vocab - 1}")
-        seq = Sequence(req, self.tokenizer, max_model_len=self.config.max_model_len, keep_state_on_finish=keep_state_on_finish)
+        if cached_prefix is not None and not 0 < cached_prefix.position < n:
+            raise ValueError(f"cached_prefix.position={cached_prefix.position} must be in 1..{n - 1} (request {rid!r})")
+        seq = Sequence(req, self.tokenizer, max_model_len=self.config.max_model_len, keep_state_on_finish=keep_state_on_finish,
+                       replay_ids=replay_ids, checkpoint_plan=checkpoint_plan)
+        draws = len(replay_ids) + (resume_state is not None)
+        for _ in range(draws if seq.generator is not None else 0):  # a draw consumes the same randomness whatever the logits
+            sample(torch.zeros(1, vocab), req.sampling, seq.generator)
+        restored = resume_state if resume_state is not None else cached_prefix
+        if restored is not None:
+            seq.host_state, seq.num_computed = restored, restored.position
+            seq.num_cached_tokens = min(restored.position, len(req.prompt_ids))
+            seq.checkpointed = seq.kda_checkpointed = restored.position  # already in the cache (or the handoff's owner's)
         if resume_state is not None:
-            seq.host_state, seq.num_computed, seq.num_cached_tokens = resume_state, n, n
-            if seq.generator is not None:  # replay the prefill side's draw: a draw consumes the same randomness whatever the logits
-                sample(torch.zeros(1, vocab), req.sampling, seq.generator)
             seq.append_token(first_token)  # type: ignore[arg-type]
         self._seqs[rid] = seq
         self.scheduler.add(seq)
@@ -182,6 +209,8 @@ class Engine:
             self.stats.prompt_tokens_computed += from_prompt
             self.stats.decode_tokens += n - from_prompt
             seq.num_computed += n
+            if seq.checkpoint_plan is not None:
+                self._checkpoint(seq)
             if seq.num_uncomputed == 0:
                 rows.append(i)
         seqs = [batch.chunks[i].seq for i in rows]
@@ -191,8 +220,31 @@ class Engine:
             outputs.append(self._finish(seq) if seq.finish_reason is not None else seq.take_output())
         return outputs
 
+    def _checkpoint(self, seq: Sequence) -> None:
+        """Cut the blocks a step completed, and the KDA state when it ended on a boundary."""
+        plan = seq.checkpoint_plan
+        assert plan is not None and seq.slot is not None
+        full = seq.num_computed // plan.block_size * plan.block_size
+        kda = conv = None
+        if seq.num_computed == full and full > seq.kda_checkpointed:
+            kda, conv = self.runner.pool.kda_snapshot(seq.slot)
+            prefilling = full <= seq.num_known_at_start  # chunks were cut to end here
+            if not prefilling and full % plan.interval:
+                seq.held_kda, kda, conv = (full, kda, conv), None, None  # reported if the turn ends before the next one
+            else:
+                seq.held_kda, seq.kda_checkpointed = None, full
+        if full > seq.checkpointed or kda is not None:
+            start = seq.checkpointed
+            seq.pending_checkpoints.append(Checkpoint(
+                full, start, seq.token_ids[start:full], self.runner.pool.mla_rows(seq.slot, start, full), kda, conv))
+            seq.checkpointed = full
+
     def _finish(self, seq: Sequence) -> RequestOutput:
         """Release a sequence whose finish_reason is set; its final output."""
+        if seq.held_kda is not None and seq.held_kda[0] > seq.kda_checkpointed:  # the last full block of the turn
+            position, kda, conv = seq.held_kda
+            seq.pending_checkpoints.append(Checkpoint(position, position, [], [], kda, conv))
+            seq.kda_checkpointed, seq.held_kda = position, None
         keep = seq.keep_state_on_finish and seq.finish_reason is not FinishReason.ABORT
         state = self.scheduler.snapshot(seq) if keep else None
         self.scheduler.finish(seq)

@@ -10,7 +10,8 @@ every step:
    that does not fit stops admission (FCFS, nothing overtakes it).
 
 Every chunk counts against ``max_num_batched_tokens``: a prompt longer than the remaining
-budget is split across steps (chunked prefill).
+budget is split across steps (chunked prefill). A sequence with a checkpoint plan also has
+its chunks end on its KDA checkpoint positions (:meth:`Sequence.tokens_to_boundary`).
 
 Memory: only MLA latents grow with context, so the limit is ``max_cached_tokens``, the
 tokens held in the states of all running sequences after the step. When a running
@@ -118,7 +119,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # swapped out as a victim earlier in this loop
                 continue
-            n = min(seq.num_uncomputed, budget)
+            n = min(seq.num_uncomputed, budget, seq.tokens_to_boundary())
             while cached + n > self.max_cached_tokens and seq.status is SequenceStatus.RUNNING:
                 victim = next(s for s in reversed(self.running) if id(s) not in in_step)
                 cached -= victim.num_computed
@@ -131,7 +132,7 @@ class Scheduler:
                 cached += n
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed, budget)
+            n = min(seq.num_uncomputed, budget, seq.tokens_to_boundary())
             if cached + seq.num_computed + n > self.max_cached_tokens:
                 break
             slot = self.slots.allocate()

@@ -10,7 +10,7 @@ what its tokens mean.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
@@ -54,6 +54,50 @@ class FinishReason(str, Enum):
     ABORT = "abort"  # aborted by the caller
 
 
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """Where a sequence's state is checkpointed for the prefix/state cache.
+
+    MLA latents are cut into blocks of ``block_size`` tokens as they are computed. A KDA
+    state is only valid at an exact position, so it is snapshotted at block boundaries:
+    every ``every_blocks`` blocks, at the last full block of the tokens known when the
+    request starts (its prompt), and, while decoding, at every boundary, the latest held
+    back and reported when the sequence finishes (the last full block of the turn).
+    Prefill chunks are cut so they end on those positions.
+    """
+
+    block_size: int = 32
+    every_blocks: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "every_blocks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    @property
+    def interval(self) -> int:
+        """Tokens between periodic KDA checkpoints."""
+        return self.block_size * self.every_blocks
+
+
+@dataclass
+class Checkpoint:
+    """State cut from a running sequence at a block boundary (host memory, caller owns it).
+
+    ``mla`` holds the latent rows of the full blocks computed since the previous
+    checkpoint (``block_start:position``, one tensor per MLA layer; ``tokens`` are their
+    token ids); ``kda``/``conv`` the KDA state at ``position`` when this is a KDA checkpoint.
+    """
+
+    position: int  # tokens before this point are covered; a multiple of the block size
+    block_start: int  # first token of the rows in ``mla``
+    tokens: list[int]  # token ids block_start:position
+    mla: list[torch.Tensor]  # per MLA layer [position - block_start, latent]
+    kda: list[torch.Tensor] | None = None  # per KDA layer [H, K, V] at ``position``
+    conv: list[torch.Tensor] | None = None  # per KDA layer conv tails at ``position``
+
+
 @dataclass
 class RequestOutput:
     """What one engine step yields for a request that sampled a token or finished."""
@@ -67,6 +111,7 @@ class RequestOutput:
     num_output_tokens: int  # output tokens so far (a stop token is not counted: it is not emitted)
     num_cached_tokens: int  # prompt tokens this engine did not compute (restored from a handoff state), else 0
     state: SequenceState | None = None  # final output with keep_state_on_finish: the state after the computed tokens (host memory)
+    checkpoints: list[Checkpoint] = field(default_factory=list)  # cut since the previous output (CheckpointPlan), oldest first
 
 
 class SequenceStatus(Enum):
@@ -126,6 +171,8 @@ class Sequence:
         *,
         max_model_len: int,
         keep_state_on_finish: bool = False,
+        replay_ids: list[int] | tuple[int, ...] = (),
+        checkpoint_plan: CheckpointPlan | None = None,
     ) -> None:
         self.request = request
         self.status = SequenceStatus.WAITING
@@ -148,6 +195,14 @@ class Sequence:
         self.arrival_time = time.perf_counter()  # time.perf_counter() timestamps, for latency metrics
         self.first_token_time: float | None = None  # first token appended (sampled, or a handoff's first_token)
         self.finish_time: float | None = None  # finish_reason set
+        self.checkpoint_plan = checkpoint_plan
+        self.checkpointed = 0  # tokens whose MLA blocks were cut into checkpoints (or came from the cache)
+        self.kda_checkpointed = 0  # position of the latest KDA checkpoint reported (or restored)
+        self.held_kda: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None  # decode-time boundary state not reported yet
+        self.pending_checkpoints: list[Checkpoint] = []
+        if replay_ids:
+            self._replay(list(replay_ids))
+        self.num_known_at_start = self.num_tokens  # prompt + replayed output: what a prefill computes
 
     @property
     def request_id(self) -> str:
@@ -170,6 +225,23 @@ class Sequence:
     def is_decoding(self) -> bool:
         """The whole prompt is in the state; each step feeds the last sampled token."""
         return self.num_computed >= self.num_prompt_tokens
+
+    def tokens_to_boundary(self) -> int:
+        """Most tokens the next chunk may compute without crossing a KDA checkpoint position
+        (the checkpoint plan's interval, or the last full block of the tokens known at start)."""
+        plan = self.checkpoint_plan
+        if plan is None:
+            return self.num_uncomputed
+        p = self.num_computed
+        nxt = (p // plan.interval + 1) * plan.interval
+        last_full = self.num_known_at_start // plan.block_size * plan.block_size
+        if p < last_full:
+            nxt = min(nxt, last_full)
+        return max(1, nxt - p)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.prompt_ids + self.output_ids
 
     def next_chunk(self, max_tokens: int) -> list[int]:
         """The next up to ``max_tokens`` uncomputed tokens."""
@@ -196,6 +268,19 @@ class Sequence:
         self._extend_text(new + self._detokenizer.flush() if at_limit else new)
         if self.finish_reason is None and at_limit:
             self._stop(FinishReason.LENGTH)
+
+    def _replay(self, replay_ids: list[int]) -> None:
+        """Take output tokens produced for this request elsewhere (a failed replica) as already
+        reported: they count against max_tokens and only text after what the client received
+        is reported. (The engine replays their draws on a seeded generator.)"""
+        for token in replay_ids:
+            if token in self.stop_token_ids:
+                raise ValueError(f"replayed token {token} of request {self.request_id!r} is a stop token")
+            self.output_ids.append(token)
+            self._extend_text(self._detokenizer.push(token))
+        if self.finish_reason is not None or len(self.output_ids) >= self.request.max_tokens:
+            raise ValueError(f"replay of {len(replay_ids)} tokens already ends request {self.request_id!r}")
+        self.take_output()  # the client has these: report nothing of them again
 
     def abort(self) -> None:
         """Stop with finish_reason ABORT (the caller then releases the sequence)."""
@@ -240,7 +325,9 @@ class Sequence:
             num_output_tokens=len(self.output_ids),
             num_cached_tokens=self.num_cached_tokens,
             state=state,
+            checkpoints=self.pending_checkpoints,
         )
+        self.pending_checkpoints = []
         self._emitted_tokens, self._emitted_chars = len(self.output_ids), end
         return out
 

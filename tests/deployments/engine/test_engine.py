@@ -507,7 +507,7 @@ def test_bad_requests_and_configs_raise_value_errors_naming_the_value(model, tok
         engine.add_request(request("half", [1], 4), first_token=7)
     engine.step()
     state = engine.snapshot_request("r")
-    with pytest.raises(ValueError, match="position=2 must equal len\\(prompt_ids\\)=3"):
+    with pytest.raises(ValueError, match="position=2 must equal the known tokens len\\(prompt_ids\\) \\+ len\\(replay_ids\\) = 3"):
         engine.add_request(request("pos", [1, 2, 3], 4), resume_state=state, first_token=1)
     foreign = SequenceState("deadbeef", 2, state.kda, state.conv, state.mla)
     with pytest.raises(ValueError, match="deadbeef"):

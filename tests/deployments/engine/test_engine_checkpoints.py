@@ -1,0 +1,141 @@
+"""Engine checkpoints for the prefix/state cache, resuming from a cached prefix, and replaying
+the output of a failed replica (tiny-k3, CPU).
+
+A checkpoint's state must equal the state of an uninterrupted run at that position, a
+request resumed from checkpoints must produce the tokens of a cold run, and a replayed
+request must continue exactly where the failed one stopped.
+"""
+
+import pytest
+import torch
+
+from conftest import rel_rms
+from deployments.engine import CheckpointPlan, Engine, EngineConfig, GenerationRequest
+from model import load_model, load_tokenizer
+from model.runner import ModelRunner, SamplingParams
+from model.state import SequenceState
+
+PLAN = CheckpointPlan(block_size=8, every_blocks=2)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny-k3")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("tiny-k3")
+
+
+def engine_for(model, tok, budget: int = 512) -> Engine:
+    cfg = EngineConfig(num_slots=4, max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=512, max_cached_tokens=4096)
+    return Engine(ModelRunner(model, 4), tok, cfg)
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run_one(engine: Engine, req: GenerationRequest, **kw):
+    engine.add_request(req, **kw)
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.request_id == req.request_id]
+    return outs
+
+
+def state_from(checkpoints, position: int, fingerprint: str) -> SequenceState:
+    """The state after ``position`` tokens, assembled as the cache does: MLA blocks up to it
+    and the KDA checkpoint taken there."""
+    kda = next(c for c in checkpoints if c.kda is not None and c.position == position)
+    blocks = [c for c in checkpoints if c.block_start < position and c.position > c.block_start]
+    mla = [torch.cat([c.mla[layer] for c in blocks])[:position] for layer in range(len(blocks[0].mla))]
+    return SequenceState(fingerprint, position, kda.kda, kda.conv, mla)
+
+
+def test_checkpoints_cut_blocks_and_kda_states_at_the_planned_positions(model, tok):
+    prompt = ids(37, 1)
+    engine = engine_for(model, tok)
+    chunks: list[int] = []
+    step = engine.runner.step
+    engine.runner.step = lambda slots, cs: (chunks.extend(len(c) for c in cs), step(slots, cs))[1]
+    outs = run_one(engine, GenerationRequest("r", prompt, 20, ignore_eos=True), checkpoint_plan=PLAN)
+    cps = [c for o in outs for c in o.checkpoints]
+    # prefill chunks end at the interval (16) and the prompt's last full block (32)
+    assert chunks[:3] == [16, 16, 5], chunks
+    computed = 37 + 19  # the last sampled token is never fed
+    assert [c.position for c in cps if c.kda is not None] == [16, 32, 48, 56]  # 48: interval; 56: last full block of the turn
+    covered = [(c.block_start, c.position) for c in cps if c.position > c.block_start]
+    assert covered[0][0] == 0 and covered[-1][1] == computed // 8 * 8
+    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), covered  # contiguous, each block once
+    tokens = prompt + [t for o in outs for t in o.new_token_ids]
+    assert [t for c in cps for t in c.tokens] == tokens[:56]
+    # every KDA checkpoint equals the state of a plain prefill of the same tokens
+    ref = ModelRunner(model, 1)
+    fp = model.config.fingerprint()
+    for pos in (16, 32, 48, 56):
+        slot = ref.allocate()
+        ref.prefill([slot], [tokens[:pos]])
+        want = ref.snapshot(slot)
+        got = state_from(cps, pos, fp)
+        for a, b in zip(got.kda + got.conv + got.mla, want.kda + want.conv + want.mla):
+            assert a.shape == b.shape and rel_rms(a, b) < 1e-4
+        ref.release(slot)
+
+
+def test_resume_from_a_cached_prefix_equals_a_cold_run(model, tok):
+    prompt = ids(45, 2)
+    cold = run_one(engine_for(model, tok), GenerationRequest("a", prompt, 12, ignore_eos=True), checkpoint_plan=PLAN)
+    cps = [c for o in cold for c in o.checkpoints]
+    state = state_from(cps, 32, model.config.fingerprint())
+    engine = engine_for(model, tok)
+    computed = []
+    step = engine.runner.step
+    engine.runner.step = lambda slots, cs: (computed.extend(len(c) for c in cs), step(slots, cs))[1]
+    warm = run_one(engine, GenerationRequest("b", prompt, 12, ignore_eos=True), cached_prefix=state, checkpoint_plan=PLAN)
+    assert [t for o in warm for t in o.new_token_ids] == [t for o in cold for t in o.new_token_ids]
+    assert warm[-1].num_cached_tokens == 32 and cold[-1].num_cached_tokens == 0
+    assert computed[:2] == [8, 5]  # only the rest of the prompt, cut at its last full block (40)
+    assert engine.stats.prompt_tokens_computed == 13
+    # blocks already in the cache are not cut again
+    assert min(c.block_start for o in warm for c in o.checkpoints) >= 32
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=5)], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("stop", [(), ("e",)], ids=["nostop", "stopstr"])
+def test_replay_continues_the_stream_of_a_failed_replica(model, tok, sampling, stop):
+    prompt = ids(20, 3)
+    req = GenerationRequest("x", prompt, 16, sampling=sampling, stop=stop, ignore_eos=True)
+    full = run_one(engine_for(model, tok), req)
+    tokens = [t for o in full for t in o.new_token_ids]
+    text = "".join(o.new_text for o in full)
+    m = min(5, len(tokens) - 1)
+    if m < 1:
+        pytest.skip("the stream stopped at its first token")
+    # the client got the outputs covering the first m tokens; their text may be held back
+    got_text, n = "", 0
+    for o in full:
+        if n >= m:
+            break
+        got_text, n = got_text + o.new_text, n + len(o.new_token_ids)
+    m = n
+    rest = run_one(engine_for(model, tok), req, replay_ids=tokens[:m])
+    assert [t for o in rest for t in o.new_token_ids] == tokens[m:]
+    assert got_text + "".join(o.new_text for o in rest) == text
+    assert rest[-1].num_output_tokens == len(tokens) and rest[-1].finish_reason == full[-1].finish_reason
+
+
+def test_replay_with_a_handoff_state_and_bad_states_are_rejected(model, tok):
+    prompt = ids(12, 4)
+    engine = engine_for(model, tok)
+    with pytest.raises(ValueError, match="cached_prefix.position=12 must be in 1..11"):
+        pre = run_one(engine_for(model, tok), GenerationRequest("p", prompt, 1, ignore_eos=True), keep_state_on_finish=True)
+        engine.add_request(GenerationRequest("q", prompt, 4, ignore_eos=True), cached_prefix=pre[-1].state)
+    with pytest.raises(ValueError, match="must equal the known tokens"):
+        engine.add_request(GenerationRequest("q", prompt, 4, ignore_eos=True), resume_state=pre[-1].state,
+                           first_token=1, replay_ids=[5])
+    with pytest.raises(ValueError, match="already ends request"):
+        engine.add_request(GenerationRequest("q", prompt, 2, ignore_eos=True), replay_ids=[5, 6])
+    with pytest.raises(ValueError, match="block_size must be a positive integer, got 0"):
+        CheckpointPlan(block_size=0)

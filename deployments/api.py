@@ -45,6 +45,16 @@ class Unavailable(ApiError):
     status, grpc_code, code, type = 503, "UNAVAILABLE", "service_unavailable", "server_error"
 
 
+class ReplicaFailed(Exception):
+    """A prefill or decode replica died (or became unreachable) during a request: the
+    frontend resumes the request elsewhere. Raised by backends; never reaches a client."""
+
+
+class HandoffLost(Exception):
+    """A prefill → decode handoff entry is gone from the cache service (expired, evicted,
+    Redis down): the frontend recomputes through prefill and hands off directly."""
+
+
 @dataclass(frozen=True, slots=True)
 class ChatMessage:
     role: str  # "system" | "user" | "assistant"
@@ -64,6 +74,7 @@ class CompletionInput:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     session_id: str | None = None  # x-session-id: names a conversation for cache resume
+    cache_salt: str | None = None  # a client's own cache salt: narrows sharing within its tenant, never widens it
     ignore_eos: bool = False
 
 

@@ -1,7 +1,9 @@
 """Application builder: the whole Serve graph from one :class:`PlatformConfig`.
 
     ingress ──► prefill-<pool> ──(state handoff)──► decode-<pool>      for pool in standard, highspeed
-                     └──────────── expert-pool-<s> ◄────┘               (expert_mode "pool")
+                 │   └──────────── expert-pool-<s> ◄────┘               (expert_mode "pool")
+                 │        └──── cache service (LRU + Redis) ────┘        checkpoints, prefixes, sessions
+                 └─ cache-admin                                          `deltaserve cache stats|flush`
 
 The classes stay plain (testable without Ray); this module applies
 ``serve.deployment(cls, **options).bind(...)`` at build time. ``serve run
@@ -17,8 +19,11 @@ from pathlib import Path
 from typing import AsyncIterator
 
 from ray import serve
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.handle import DeploymentHandle
 
+from .api import HandoffLost, ReplicaFailed
+from .cache_admin import CacheAdmin
 from .config import PlatformConfig
 from .decode import Decode
 from .expert_pool import ExpertShard
@@ -31,23 +36,36 @@ from .replica import replica_id
 from .tenants import TenantRegistry, default_dev_tenants
 from . import tracing
 
+_REPLICA_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
+
 
 class ServeBackend:
-    """Prefill and decode hops over Serve handles (decode streams)."""
+    """Prefill and decode hops over Serve handles (decode streams). A replica that dies or
+    cannot be reached becomes :class:`ReplicaFailed`, so the frontend can resume elsewhere."""
 
     def __init__(self, prefill: dict[str, DeploymentHandle], decode: dict[str, DeploymentHandle]) -> None:
         self.prefill_handles, self.decode_handles = prefill, decode
 
     async def prefill(self, pool: str, req: PrefillRequest) -> PrefillResult:
-        return await self.prefill_handles[pool].prefill.remote(req)
+        try:
+            return await self.prefill_handles[pool].prefill.remote(req)
+        except _REPLICA_GONE as e:
+            raise ReplicaFailed(f"prefill-{pool} replica failed: {type(e).__name__}") from e
 
     async def decode(self, pool: str, req: DecodeRequest) -> AsyncIterator[DecodeChunk]:
-        async for chunk in self.decode_handles[pool].options(stream=True).generate.remote(req):
-            yield chunk
+        try:
+            async for chunk in self.decode_handles[pool].options(stream=True).generate.remote(req):
+                yield chunk
+        except _REPLICA_GONE as e:
+            raise ReplicaFailed(f"decode-{pool} replica failed: {type(e).__name__}") from e
+        except RayTaskError as e:
+            if isinstance(e.cause, HandoffLost):
+                raise HandoffLost(str(e.cause)) from e
+            raise
 
 
 class Ingress(IngressRoutes, GrpcInferenceMixin):
-    def __init__(self, config: PlatformConfig, prefill: dict, decode: dict) -> None:
+    def __init__(self, config: PlatformConfig, prefill: dict, decode: dict, cache_admin: DeploymentHandle | None = None) -> None:
         from model import load_tokenizer
 
         tracing.setup_tracing("deltaserve-ingress", memory=config.trace_memory)
@@ -61,8 +79,10 @@ class Ingress(IngressRoutes, GrpcInferenceMixin):
             registry=registry,
             backend=ServeBackend(prefill, decode),
             max_model_len=config.max_model_len,
+            failover_attempts=config.failover_attempts,
         )
         self.prefill, self.decode = prefill, decode
+        self.cache_admin = cache_admin  # bound here so it is part of the application
 
     async def debug_spans(self) -> dict[str, list[dict]]:
         """Finished spans of this ingress and of one replica of each prefill/decode deployment (trace_memory)."""
@@ -105,4 +125,5 @@ def build_app(args: dict | PlatformConfig | None = None) -> serve.Application:
     for pool, pc in counts.pools.items():
         prefill[pool] = serve.deployment(Prefill, **_options(config, f"prefill-{pool}", pc.prefill_replicas)).bind(config, pool, shards or None)
         decode[pool] = serve.deployment(Decode, **_options(config, f"decode-{pool}", pc.decode_replicas)).bind(config, pool, shards or None)
-    return serve.deployment(IngressASGI, **_options(config, "ingress", 1)).bind(config, prefill, decode)
+    admin = serve.deployment(CacheAdmin, **_options(config, "cache-admin", 1)).bind(config, prefill, decode)
+    return serve.deployment(IngressASGI, **_options(config, "ingress", 1)).bind(config, prefill, decode, admin)

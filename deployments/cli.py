@@ -3,6 +3,7 @@
     deltaserve generate --model k3-tiny --prompt "def fib(n):" --max-tokens 64
     deltaserve up [--replicas decode-standard=2] [--http-port 8000] [--grpc-port 9000]
     deltaserve tenants add|list|revoke
+    deltaserve cache stats|flush [--tenant T]
 """
 
 from __future__ import annotations
@@ -58,11 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     gen.add_argument("--ids", action="store_true", help="print token ids instead of text")
     gen.set_defaults(func=_generate)
+    from .cache_cli import add_cache_parser
     from .tenants_cli import add_tenants_parser
     from .up import add_up_parser
 
     add_up_parser(sub)
     add_tenants_parser(sub)
+    add_cache_parser(sub)
     return parser
 
 

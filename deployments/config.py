@@ -33,6 +33,23 @@ class PoolConfig(_Strict):
     decode_replicas: int = Field(1, ge=1, description="replicas of this pool's decode deployment")
 
 
+class CacheConfig(_Strict):
+    """The prefix / KDA-state cache (see docs/cache.md): an in-replica LRU in front of Redis."""
+
+    enabled: bool = Field(True, description="look up cached prefixes in prefill and write checkpoints")
+    redis_url: str | None = Field(None, description="Redis URL; default $DELTASERVE_REDIS_URL, else `deltaserve up` starts a local redis-server (without either: LRU only)")
+    block_size: int = Field(32, gt=0, description="tokens per cache block")
+    checkpoint_every: int = Field(8, gt=0, description="blocks between periodic KDA checkpoints")
+    ttl_s: int = Field(86400, gt=0, description="lifetime of block and checkpoint entries")
+    session_ttl_s: int = Field(86400, gt=0, description="lifetime of a session after its last turn")
+    lru_mib: int = Field(64, gt=0, description="in-replica LRU budget, MiB")
+    redis_timeout_s: float = Field(0.25, gt=0, description="socket timeout of every Redis call")
+    breaker_failures: int = Field(3, gt=0, description="consecutive Redis failures that open the circuit breaker")
+    breaker_reset_s: float = Field(2.0, gt=0, description="seconds the breaker stays open before one trial call")
+    handoff: Literal["direct", "cache"] = Field("direct", description="prefill → decode state handoff: in the reply, or through Redis")
+    local_redis_maxmemory_mib: int = Field(512, gt=0, description="maxmemory of the redis-server `deltaserve up` starts (allkeys-lru)")
+
+
 def _default_pools() -> dict[str, PoolConfig]:
     return {
         "standard": PoolConfig(max_num_seqs=32, max_num_batched_tokens=1024, ttft_slo_ms=4000, tpot_slo_ms=400),
@@ -55,6 +72,8 @@ class PlatformConfig(_Strict):
     grpc_port: int = Field(9000, ge=0, le=65535)
     tenants_file: str = Field("tenants.yaml", description="YAML tenants file (created with one dev tenant if missing)")
     trace_memory: bool = Field(False, description="keep finished spans in memory per replica (tests)")
+    cache: CacheConfig = Field(default_factory=CacheConfig, description="prefix / KDA-state cache")
+    failover_attempts: int = Field(3, ge=0, description="times a stream whose decode replica died is resumed on another")
 
     @field_validator("pools")
     @classmethod

@@ -1,5 +1,10 @@
 """The request path both ingresses share: auth → tenant, model id → pool, validate, limits,
-prefill → decode, usage and timings.
+prefill → decode, failover, usage and timings.
+
+Failover: when a decode replica dies mid-stream (the backend raises ReplicaFailed) or a
+handoff entry is lost, the request goes through prefill again with the tokens the client
+already has as ``replay_ids``; prefill resumes from the dead replica's last cache checkpoint,
+computes the rest, and a live decode replica continues. The client sees one stream.
 
 Transport-free: HTTP and gRPC ingresses parse into :class:`~deployments.api.CompletionInput`
 and render the events; the prefill/decode hops go through an injected backend (Serve handles
@@ -8,6 +13,7 @@ in the platform, in-process engines in tests and benchmarks).
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import AsyncIterator, Protocol
@@ -21,9 +27,12 @@ from .api import (
     BadRequest,
     CompletionInput,
     Finished,
+    HandoffLost,
     ModelCard,
     ModelNotFound,
+    ReplicaFailed,
     TextDelta,
+    Unavailable,
     Usage,
 )
 from .messages import DecodeChunk, DecodeRequest, PrefillRequest, PrefillResult
@@ -49,6 +58,7 @@ class Frontend:
         max_model_len: int,
         limiter: RateLimiter | None = None,
         usage: UsageCounter | None = None,
+        failover_attempts: int = 3,
     ) -> None:
         self.model_name = model_name
         self.pools = list(pools)
@@ -58,6 +68,8 @@ class Frontend:
         self.max_model_len = max_model_len
         self.limiter = limiter or RateLimiter()
         self.usage = usage or UsageCounter()
+        self.failover_attempts = failover_attempts
+        self.failovers = 0  # streams resumed on another replica
 
     # -- models ------------------------------------------------------------------
     def model_ids(self) -> dict[str, str]:
@@ -104,6 +116,10 @@ class Frontend:
                 f"{len(ids) + inp.max_tokens} tokens ({len(ids)} in the prompt, {inp.max_tokens} for the completion).",
                 param="max_tokens" if len(ids) < limit else "prompt",
             )
+        if inp.session_id is not None and not (1 <= len(inp.session_id) <= 256 and inp.session_id.isprintable()):
+            raise BadRequest(f"session id must be 1 to 256 printable characters, got {inp.session_id[:40]!r}", param="x-session-id")
+        if inp.cache_salt is not None and not (1 <= len(inp.cache_salt) <= 256):
+            raise BadRequest(f"cache_salt must be 1 to 256 characters, got {len(inp.cache_salt)}", param="cache_salt")
         if len(inp.stop) > 4 or any(not s for s in inp.stop):
             raise BadRequest(f"stop must be up to 4 non-empty strings, got {list(inp.stop)}", param="stop")
         params = SamplingParams(temperature=inp.temperature, top_p=inp.top_p, seed=inp.seed)
@@ -125,32 +141,47 @@ class Frontend:
             "deltaserve.request_id": request_id, "deltaserve.prompt_tokens": len(ids)})
         try:
             carrier = tracing.carrier_of(span)
-            preq = PrefillRequest(request_id, tuple(ids), inp.max_tokens, params, tuple(inp.stop), stop_ids,
-                                  inp.ignore_eos, tenant.name, pool, carrier)
-            n_out, t_first, replica, reason, cached = 0, None, "", "length", 0
+            n_out, t_first, replica, reason, cached = 0, None, "", "length", None
+            emitted: list[int] = []  # output tokens the client has
+            failures = 0
             try:
-                result = await self.backend.prefill(pool, preq)
-                cached = result.cached_tokens
-                if result.finished:
-                    t_first = time.perf_counter()
-                    replica, reason = result.replica, result.finish_reason
-                    n_out = 1 if reason == "length" else 0
-                    if result.text or n_out:
-                        yield TextDelta(result.text, (result.first_token,) if n_out else (), request_id)
-                else:
-                    dreq = DecodeRequest(preq, result.first_token, result.state, carrier)
-                    async for chunk in self.backend.decode(pool, dreq):
-                        if t_first is None and chunk.token_ids:
-                            t_first = time.perf_counter()
-                        n_out, replica = chunk.num_output_tokens, chunk.replica
-                        if chunk.text or chunk.token_ids:
-                            yield TextDelta(chunk.text, chunk.token_ids, request_id)
-                        if chunk.finished:
-                            reason = chunk.finish_reason or "length"
+                while True:
+                    preq = PrefillRequest(request_id, tuple(ids), inp.max_tokens, params, tuple(inp.stop), stop_ids,
+                                          inp.ignore_eos, tenant.name, pool, carrier, cache_salt=tenant.cache_salt,
+                                          client_salt=inp.cache_salt, session_id=inp.session_id, replay_ids=tuple(emitted))
+                    try:
+                        result = await self.backend.prefill(pool, preq)
+                        cached = result.cached_tokens if cached is None else cached
+                        if result.finished:
+                            t_first = t_first or time.perf_counter()
+                            replica, reason = result.replica, result.finish_reason
+                            n_out = len(emitted) + (reason == "length")
+                            if result.text or reason == "length":
+                                yield TextDelta(result.text, (result.first_token,) if reason == "length" else (), request_id)
+                            break
+                        dreq = DecodeRequest(preq, result.first_token, result.state, carrier, result.handoff_key)
+                        async for chunk in self.backend.decode(pool, dreq):
+                            if t_first is None and chunk.token_ids:
+                                t_first = time.perf_counter()
+                            n_out, replica = chunk.num_output_tokens, chunk.replica
+                            emitted.extend(chunk.token_ids)
+                            if chunk.text or chunk.token_ids:
+                                yield TextDelta(chunk.text, chunk.token_ids, request_id)
+                            if chunk.finished:
+                                reason = chunk.finish_reason or "length"
+                        break
+                    except (ReplicaFailed, HandoffLost) as e:
+                        failures += 1
+                        span.add_event("failover", {"deltaserve.error": str(e)[:200], "deltaserve.delivered_tokens": len(emitted)})
+                        if failures > self.failover_attempts:
+                            raise Unavailable(f"request {request_id} failed on {failures} replicas; last error: {e}") from e
+                        self.failovers += 1
+                        await asyncio.sleep(0.1 * failures)  # let Serve notice a dead replica
             except BaseException:
                 self.usage.record(tenant.name, prompt_tokens=len(ids), completion_tokens=n_out, error=True)
                 self.limiter.refund(tenant, max(0, inp.max_tokens - n_out), reservation)
                 raise
+            cached = cached or 0
             t_end = time.perf_counter()
             t_first = t_first or t_end
             usage = Usage(

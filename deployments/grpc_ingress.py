@@ -201,6 +201,8 @@ def completion_input_from_request(request: pb.GenerateRequest, grpc_context: Any
     session_id = request.session_id or _metadata_value(grpc_context, MD_SESSION_ID)
     if session_id:
         kwargs["session_id"] = session_id
+    if request.cache_salt:
+        kwargs["cache_salt"] = request.cache_salt
     if request.ignore_eos:
         kwargs["ignore_eos"] = True
     try:

@@ -41,6 +41,7 @@ class _OpenAIRequest(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     ignore_eos: bool = Field(False, description="deltaserve extension: do not stop at end-of-sequence")
+    cache_salt: str | None = Field(None, description="cache salt (as vLLM's): only requests with the same salt share cached prefixes; narrows the tenant's own namespace")
 
     def common(self) -> dict:
         if self.n != 1:
@@ -49,7 +50,8 @@ class _OpenAIRequest(BaseModel):
             raise BadRequest("presence_penalty and frequency_penalty are not supported (must be 0)", param="presence_penalty")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return dict(model=self.model, max_tokens=16 if self.max_tokens is None else self.max_tokens,
-                    temperature=self.temperature, top_p=self.top_p, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos)
+                    temperature=self.temperature, top_p=self.top_p, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
+                    cache_salt=self.cache_salt)
 
 
 class CompletionRequest(_OpenAIRequest):

@@ -19,6 +19,10 @@ class PrefillRequest:
     tenant: str = ""
     pool: str = "standard"
     trace: dict = field(default_factory=dict)  # W3C trace context of the caller's span
+    cache_salt: str = ""  # the tenant's server-side salt ("" = do not use the cache)
+    client_salt: str | None = None  # a client's own salt: narrows the tenant's cache namespace
+    session_id: str | None = None
+    replay_ids: tuple[int, ...] = ()  # output tokens a failed decode replica already delivered
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +32,8 @@ class PrefillResult:
     text: str  # detokenised text of the first token (final only when ``finished``)
     finished: bool  # True when the first token already ends the request (stop or max_tokens == 1)
     finish_reason: str | None
-    state: bytes | None  # SequenceState.to_bytes() after the prompt (the handoff), None when finished
+    state: bytes | None  # SequenceState.to_bytes() after the prompt (the direct handoff), else None
+    handoff_key: str | None  # the handoff went through the cache service under this key (state is None)
     prompt_tokens: int
     cached_tokens: int
     replica: str
@@ -39,8 +44,9 @@ class PrefillResult:
 class DecodeRequest:
     prefill: PrefillRequest
     first_token: int
-    state: bytes  # the handoff from PrefillResult.state
+    state: bytes | None  # the direct handoff (PrefillResult.state), or None with handoff_key
     trace: dict = field(default_factory=dict)
+    handoff_key: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

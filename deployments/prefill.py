@@ -1,23 +1,31 @@
 """Prefill deployment: computes the prompt's state, samples the first token, hands the state off.
 
 A replica batches concurrent prompts through its own engine (chunked prefill under the pool's
-token budget). It returns the first token and the sequence state after the prompt as bytes
-(:class:`~model.state.SequenceState`): the decode replica continues from exactly there.
+token budget). With the cache on, it first loads the longest cached prefix (any replica's
+checkpoints, from its LRU or Redis) and computes only the rest, cutting checkpoints as it goes
+(written in the background). It returns the first token and the sequence state after the
+prompt (:class:`~model.state.SequenceState` bytes) directly, or through the cache service
+(``cache.handoff: cache``): the decode replica continues from exactly there.
+
+A request may carry ``replay_ids``: the output a failed decode replica already delivered.
+They are computed like prompt tokens (mostly loaded from that replica's checkpoints) and the
+next token is sampled after them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 
-from deployments.engine import AsyncEngine, Engine, EngineConfig, GenerationRequest
+from deployments.engine import AsyncEngine, CheckpointPlan, Engine, EngineConfig, GenerationRequest
 from model.runner import ModelRunner
 
 from . import tracing
 from .config import PlatformConfig
 from .expert_pool import attach_expert_pool
 from .messages import PrefillRequest, PrefillResult
-from .replica import load_replica_model, replica_id
+from .replica import cache_key, load_replica_model, make_cache, replica_id
 
 
 class Prefill:
@@ -36,40 +44,69 @@ class Prefill:
         )
         self.async_engine = AsyncEngine(self.engine)
         self.replica = replica_id()
+        self.cache = make_cache(config, model.config)
+        self.plan = CheckpointPlan(config.cache.block_size, config.cache.checkpoint_every)
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         t0 = time.perf_counter()
+        known = list(req.prompt_ids) + list(req.replay_ids)
         with tracing.span("prefill", req.trace, **{"deltaserve.pool": self.pool, "deltaserve.tenant": req.tenant,
                                                    "deltaserve.prompt_tokens": len(req.prompt_ids),
+                                                   "deltaserve.replayed_tokens": len(req.replay_ids),
                                                    "deltaserve.replica": self.replica}) as span:
-            greq = GenerationRequest(req.request_id, list(req.prompt_ids), 1, req.sampling, req.stop,
+            key = cache_key(self.cache, req)
+            hit = recorder = None
+            if key is not None:
+                hit = await asyncio.to_thread(self.cache.lookup, key, known)
+                recorder = self.cache.recorder(key, known)
+                span.set_attribute("deltaserve.cache_hit", hit is not None)
+                span.set_attribute("deltaserve.session_hit", bool(hit and hit.session_hit))
+            greq = GenerationRequest(req.request_id, list(req.prompt_ids), len(req.replay_ids) + 1, req.sampling, req.stop,
                                      req.stop_token_ids, req.ignore_eos)
             text, last = "", None
-            async with contextlib.aclosing(self.async_engine.generate(greq, keep_state_on_finish=True)) as outs:
+            outs = self.async_engine.generate(greq, keep_state_on_finish=True, replay_ids=req.replay_ids,
+                                              cached_prefix=hit.state if hit else None,
+                                              checkpoint_plan=self.plan if recorder else None)
+            async with contextlib.aclosing(outs) as outs:
                 async for out in outs:
                     text += out.new_text
                     last = out
+                    if recorder is not None:
+                        recorder.add(out.checkpoints)
             if last is None or not last.finished:
                 raise RuntimeError(f"prefill of {req.request_id} ended without finishing (a bug)")
             stopped = last.finish_reason is not None and last.finish_reason.value == "stop"
             first = last.new_token_ids[-1] if last.new_token_ids else -1  # -1: stopped by a stop token
-            finished = stopped or req.max_tokens == 1
-            span.set_attribute("deltaserve.cached_tokens", last.num_cached_tokens)
+            finished = stopped or len(req.replay_ids) + 1 >= req.max_tokens
+            cached = last.num_cached_tokens
+            if key is not None:
+                self.cache.record_tenant(req.tenant, lookups=1, prompt_tokens=len(req.prompt_ids))
+            span.set_attribute("deltaserve.cached_tokens", cached)
+            state = handoff = None
+            if not finished:
+                state = last.state.to_bytes()
+                if key is not None and self.config.cache.handoff == "cache":
+                    if await asyncio.to_thread(self.cache.put_handoff, key, req.request_id, state):
+                        state, handoff = None, req.request_id  # else (Redis unavailable): direct
             return PrefillResult(
                 request_id=req.request_id,
                 first_token=first,
                 text=text,
                 finished=finished,
                 finish_reason=("stop" if stopped else "length") if finished else None,
-                state=None if finished else last.state.to_bytes(),
+                state=state,
+                handoff_key=handoff,
                 prompt_tokens=len(req.prompt_ids),
-                cached_tokens=last.num_cached_tokens,
+                cached_tokens=cached,
                 replica=self.replica,
                 prefill_s=time.perf_counter() - t0,
             )
 
     def stats(self) -> dict:
         return {"replica": self.replica, **vars(self.engine.stats)}
+
+    def cache_stats(self) -> dict:
+        return {"replica": self.replica, **(self.cache.stats() if self.cache else {"enabled": False})}
 
     def debug_spans(self) -> list[dict]:
         return tracing.finished_spans()

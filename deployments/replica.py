@@ -7,7 +7,12 @@ import socket
 
 import torch
 
+from cache_service.breaker import CircuitBreaker
+from cache_service.client import CacheKey, CacheSettings, PrefixCache
+from cache_service.codec import Layout
+from cache_service.store import RedisStore
 from model import load_model, load_tokenizer
+from model.config import ModelConfig
 from model.network import KimiForCausalLM
 from model.tokenizer import Tokenizer
 
@@ -37,3 +42,30 @@ def stop_token_ids(tokenizer: Tokenizer, *, chat: bool) -> tuple[int, ...]:
         if end is not None:
             ids.append(end)
     return tuple(ids)
+
+
+def redis_url(config: PlatformConfig) -> str | None:
+    """The cache's Redis: the config's URL, else $DELTASERVE_REDIS_URL, else none (LRU only)."""
+    return config.cache.redis_url or os.environ.get("DELTASERVE_REDIS_URL") or None
+
+
+def make_cache(config: PlatformConfig, model_config: ModelConfig) -> PrefixCache | None:
+    """This replica's prefix cache (None when the cache is disabled)."""
+    cc = config.cache
+    if not cc.enabled:
+        return None
+    url = redis_url(config)
+    store = None
+    if url:
+        store = RedisStore(url, timeout_s=cc.redis_timeout_s,
+                           breaker=CircuitBreaker(cc.breaker_failures, cc.breaker_reset_s))
+    return PrefixCache(Layout.from_config(model_config), store,
+                       CacheSettings(block_size=cc.block_size, ttl_s=cc.ttl_s, session_ttl_s=cc.session_ttl_s,
+                                     lru_bytes=cc.lru_mib << 20))
+
+
+def cache_key(cache: PrefixCache | None, req) -> CacheKey | None:
+    """The cache key of a PrefillRequest; None when it does not use the cache."""
+    if cache is None or not req.cache_salt:
+        return None
+    return cache.key(tenant=req.tenant, tenant_salt=req.cache_salt, client_salt=req.client_salt, session_id=req.session_id)

@@ -1,4 +1,5 @@
-"""`deltaserve up`: a local Ray cluster, both pools, the expert pool, HTTP and gRPC ingress.
+"""`deltaserve up`: a local Ray cluster, both pools, the expert pool, HTTP and gRPC ingress,
+and the cache service's Redis (a local redis-server unless DELTASERVE_REDIS_URL is given).
 
 Prints a ready line with a curl example, runs until Ctrl-C / SIGTERM, then shuts Serve and
 Ray down cleanly.
@@ -14,8 +15,20 @@ import threading
 import time
 
 from .config import PlatformConfig
+from .replica import redis_url
 
 GRPC_SERVICER = "deployments.grpc_ingress.add_inference_servicer"
+
+
+def _port_is_free(port: int) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def parse_replicas(items: list[str]) -> dict[str, int]:
@@ -93,14 +106,36 @@ def up(args: argparse.Namespace) -> int:
                                      "host": args.host, "tenants_file": args.tenants, "expert_mode": args.expert_mode}.items()
                    if v is not None}
         config = PlatformConfig.load({**config.model_dump(), **updates}).with_replicas(parse_replicas(args.replicas or []))
+        cache_updates = {k: v for k, v in {"redis_url": args.redis_url, "enabled": False if args.no_cache else None}.items()
+                         if v is not None}
+        config = config.model_copy(update={"cache": config.cache.model_copy(update=cache_updates)})
         _, new_key = default_dev_tenants(config.tenants_file, os.environ.get("DELTASERVE_API_KEY"))
     except (ValueError, FileNotFoundError) as e:
         print(f"deltaserve up: {e}", file=sys.stderr)
         return 2
+    redis = None
+    if config.cache.enabled and not redis_url(config):
+        from cache_service.redis_server import LocalRedisServer, find_free_port
+
+        maxmemory = config.cache.local_redis_maxmemory_mib << 20
+        try:
+            redis = LocalRedisServer(6379 if _port_is_free(6379) else find_free_port(), maxmemory_bytes=maxmemory).start()
+        except (RuntimeError, FileNotFoundError) as e:
+            print(f"deltaserve up: {e}", file=sys.stderr)
+            return 2
+        print(f"deltaserve: no DELTASERVE_REDIS_URL given: started a local redis-server at {redis.url} "
+              f"(maxmemory {config.cache.local_redis_maxmemory_mib} MiB, allkeys-lru, no persistence)", flush=True)
+        config = config.model_copy(update={"cache": config.cache.model_copy(update={"redis_url": redis.url})})
     print(f"deltaserve: starting Ray and Serve (model {config.model}, pools {list(config.pools)}, "
-          f"experts {config.expert_mode})...", flush=True)
+          f"experts {config.expert_mode}, cache {'Redis ' + str(redis_url(config)) if config.cache.enabled else 'off'})...",
+          flush=True)
     t0 = time.time()
-    start(config)
+    try:
+        start(config)
+    except BaseException:
+        if redis is not None:
+            redis.stop()
+        raise
     key = new_key or os.environ.get("DELTASERVE_API_KEY") or "<your key>"
     if new_key:
         print(f"deltaserve: created tenant 'dev' in {config.tenants_file}; API key (shown once): {new_key}")
@@ -120,6 +155,8 @@ def up(args: argparse.Namespace) -> int:
 
     serve.shutdown()
     ray.shutdown()
+    if redis is not None:
+        redis.stop()
     print("deltaserve: stopped", flush=True)
     return 0
 
@@ -133,5 +170,7 @@ def add_up_parser(sub) -> None:
     p.add_argument("--grpc-port", type=int, default=None)
     p.add_argument("--tenants", default=None, help="tenants YAML (created with a dev tenant if missing)")
     p.add_argument("--expert-mode", choices=["colocated", "pool"], default=None)
+    p.add_argument("--redis-url", default=None, help="the cache's Redis (default $DELTASERVE_REDIS_URL, else a local redis-server is started)")
+    p.add_argument("--no-cache", action="store_true", help="run without the prefix/KDA-state cache")
     p.add_argument("--replicas", action="append", metavar="DEPLOYMENT=N", help="e.g. decode-standard=2 (repeatable)")
     p.set_defaults(func=up)

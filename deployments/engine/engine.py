@@ -155,7 +155,9 @@ class Engine:
         if restored is not None:
             seq.host_state, seq.num_computed = restored, restored.position
             seq.num_cached_tokens = min(restored.position, len(req.prompt_ids))
-            seq.checkpointed = seq.kda_checkpointed = restored.position  # already in the cache (or the handoff's owner's)
+            # blocks before it are in the cache (or the handoff's sender cuts them); a partial block is cut from here
+            seq.kda_checkpointed = restored.position
+            seq.checkpointed = restored.position // checkpoint_plan.block_size * checkpoint_plan.block_size if checkpoint_plan else restored.position
         if resume_state is not None:
             seq.append_token(first_token)  # type: ignore[arg-type]
         self._seqs[rid] = seq

@@ -1,0 +1,370 @@
+"""The per-replica face of the cache: prefix lookup, checkpoint recording, handoff entries.
+
+    cache = PrefixCache(layout, store, CacheSettings())
+    key = cache.key(tenant="acme", tenant_salt=salt, session_id="chat-42")
+    hit = cache.lookup(key, token_ids)            # longest usable cached prefix, or None
+    rec = cache.recorder(key, token_ids)          # then, as the engine cuts checkpoints:
+    rec.add(output.checkpoints)                   # queued; written by a background thread
+
+Lookup finds the longest prefix (of at most ``len(token_ids) - 1`` tokens: the last token
+is always computed, its logits are sampled) that ends at a KDA checkpoint and whose MLA
+blocks are all present, trying the session's last checkpoint first. Every entry is read
+from the in-replica LRU first, then Redis; a corrupt entry is counted, deleted and skipped.
+Writes never run on the caller's thread: they queue (bounded; a full queue drops and
+counts) for one writer thread that encodes and stores in the LRU and Redis. When Redis is
+down the store's circuit breaker answers "unavailable" at once: lookups miss, writes land
+in the LRU only; nothing raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+from model.state import SequenceState
+
+from .codec import CorruptEntry, Layout, decode_kda_checkpoint, decode_mla_block, encode_kda_checkpoint, encode_mla_block
+from .hashing import block_hashes, chain_hash, root_hash
+from .keys import check_tenant, handoff_key, kda_key, key_kind, mla_key, session_key, stats_key
+from .lru import ByteLRU
+from .store import RedisStore
+
+log = logging.getLogger(__name__)
+
+FLUSH_EPOCHS_KEY = "ds:v1:flush"  # hash: tenant (or "*") → time of its last flush; replicas drop their LRU entries when it changes
+
+
+class CheckpointLike(Protocol):
+    """What :class:`deployments.engine.Checkpoint` provides (the engine is not imported here)."""
+
+    position: int
+    block_start: int
+    tokens: list[int]
+    mla: list[torch.Tensor]
+    kda: list[torch.Tensor] | None
+    conv: list[torch.Tensor] | None
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    block_size: int = 32  # tokens per block
+    ttl_s: int = 86400  # lifetime of block and checkpoint entries in Redis
+    session_ttl_s: int = 86400  # lifetime of a session record after its last update
+    handoff_ttl_s: int = 120  # lifetime of a prefill → decode handoff entry
+    lru_bytes: int = 64 << 20  # in-replica LRU budget
+    max_pending_writes: int = 1024  # queued write batches; more are dropped (and counted)
+    max_candidates: int = 4  # KDA checkpoints tried per lookup, longest first
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"cache setting {name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """Who a request's cache entries belong to: the tenant (namespace and server-side salt),
+    an optional client salt that narrows further, and an optional session id."""
+
+    tenant: str
+    root: bytes  # h_0 of the block-hash chain
+    session_id: str | None = None
+
+
+@dataclass
+class Lookup:
+    state: SequenceState  # the state after ``position`` tokens
+    position: int
+    session_hit: bool  # found through the session's last checkpoint
+    from_redis: int  # entries read from Redis (the rest came from the LRU)
+
+
+class PrefixCache:
+    def __init__(self, layout: Layout, store: RedisStore | None, settings: CacheSettings | None = None) -> None:
+        self.layout = layout
+        self.store = store
+        self.settings = settings or CacheSettings()
+        self.lru = ByteLRU(self.settings.lru_bytes)
+        self.counters: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue(self.settings.max_pending_writes)
+        self._writer = threading.Thread(target=self._write_loop, name="deltaserve-cache-writer", daemon=True)
+        self._writer.start()
+        self._epochs: dict[str, str] | None = None
+        if store is not None:
+            threading.Thread(target=self._watch_flushes, name="deltaserve-cache-flush-watch", daemon=True).start()
+
+    # -- keys -----------------------------------------------------------------------
+    def key(self, *, tenant: str, tenant_salt: str, client_salt: str | None = None, session_id: str | None = None) -> CacheKey:
+        check_tenant(tenant)
+        if session_id is not None:
+            session_key(tenant, session_id)  # validates it (ValueError names it)
+        return CacheKey(tenant, root_hash(self.layout.fingerprint, tenant_salt, client_salt or None), session_id)
+
+    # -- lookup -----------------------------------------------------------------------
+    def lookup(self, key: CacheKey, token_ids: Sequence[int]) -> Lookup | None:
+        """The longest cached prefix of ``token_ids`` that can be resumed (see the module docstring)."""
+        t0 = time.perf_counter()
+        try:
+            return self._lookup(key, token_ids)
+        finally:
+            self._count(lookup_s_total_us=int((time.perf_counter() - t0) * 1e6))
+
+    def _lookup(self, key: CacheKey, token_ids: Sequence[int]) -> Lookup | None:
+        bs = self.settings.block_size
+        n = (len(token_ids) - 1) // bs
+        self._count(lookups=1)
+        if n == 0:
+            self._count(misses=1)
+            return None
+        hashes = block_hashes(key.root, token_ids[: n * bs], bs)
+        candidates = self._kda_candidates(key, hashes)
+        session_block = self._session_block(key, hashes)
+        if session_block is not None:
+            candidates = [session_block] + [c for c in candidates if c != session_block]
+        got: dict[str, bytes] = {}
+        from_redis = 0
+        for blocks in candidates[: self.settings.max_candidates]:
+            keys = [kda_key(key.tenant, hashes[blocks - 1])] + [mla_key(key.tenant, h) for h in hashes[:blocks]]
+            from_redis += self._fetch([k for k in keys if k not in got], got)
+            state = self._assemble(keys, got, blocks * bs)
+            if state is not None:
+                self._count(hits=1, hit_tokens=state.position, session_hits=int(blocks == session_block),
+                            redis_entries_read=from_redis)
+                self.record_tenant(key.tenant, hits=1, cached_tokens=state.position)
+                return Lookup(state, state.position, blocks == session_block, from_redis)
+        self._count(misses=1)
+        return None
+
+    def _kda_candidates(self, key: CacheKey, hashes: list[bytes]) -> list[int]:
+        """Block counts with a KDA checkpoint (LRU or Redis), longest first."""
+        keys = [kda_key(key.tenant, h) for h in hashes]
+        present = [k in self.lru for k in keys]
+        missing = [i for i, p in enumerate(present) if not p]
+        if missing and self.store is not None:
+            exists = self.store.exists_many([keys[i] for i in missing])
+            if exists is None:
+                self._count(redis_unavailable=1)
+            else:
+                for i, e in zip(missing, exists):
+                    present[i] = e
+        return [i + 1 for i in range(len(keys) - 1, -1, -1) if present[i]]
+
+    def _session_block(self, key: CacheKey, hashes: list[bytes]) -> int | None:
+        if key.session_id is None or self.store is None:
+            return None
+        rec = self.store.hgetall(session_key(key.tenant, key.session_id))
+        if not rec or rec.get("tenant") != key.tenant:
+            return None
+        try:
+            position, h = int(rec["position"]), bytes.fromhex(rec["hash"])
+        except (KeyError, ValueError):
+            self._count(corrupt=1)
+            return None
+        blocks = position // self.settings.block_size
+        if 1 <= blocks <= len(hashes) and hashes[blocks - 1] == h:
+            return blocks
+        return None  # the conversation diverged from the session's history
+
+    def _fetch(self, keys: list[str], into: dict[str, bytes]) -> int:
+        """Read ``keys`` (LRU, then Redis) into ``into``; entries read from Redis."""
+        remote = []
+        for k in keys:
+            value = self.lru.get(k)
+            if value is None:
+                remote.append(k)
+            else:
+                into[k] = value
+        if not remote or self.store is None:
+            return 0
+        values = self.store.get_many(remote)
+        if values is None:
+            self._count(redis_unavailable=1)
+            return 0
+        n = 0
+        for k, v in zip(remote, values):
+            if v is not None:
+                into[k] = v
+                self.lru.put(k, v)
+                n += 1
+        return n
+
+    def _assemble(self, keys: list[str], got: dict[str, bytes], position: int) -> SequenceState | None:
+        """The state from a KDA checkpoint (``keys[0]``) and the MLA blocks before it (``keys[1:]``);
+        None when one is missing or corrupt (a corrupt one is discarded and counted)."""
+        if any(k not in got for k in keys):
+            return None
+        try:
+            pos, kda, conv = decode_kda_checkpoint(self.layout, got[keys[0]])
+            if pos != position:
+                raise CorruptEntry(f"checkpoint is at position {pos}, its key says {position}")
+        except CorruptEntry as e:
+            return self._discard(keys[0], got, e)
+        blocks = []
+        for k in keys[1:]:
+            try:
+                blocks.append(decode_mla_block(self.layout, got[k], self.settings.block_size))
+            except CorruptEntry as e:
+                return self._discard(k, got, e)
+        mla = [torch.cat([b[layer] for b in blocks]) for layer in range(len(self.layout.mla_layers))]
+        return SequenceState(self.layout.fingerprint, position, kda, conv, mla)
+
+    def _discard(self, k: str, got: dict[str, bytes], error: CorruptEntry) -> None:
+        log.warning("deltaserve cache: discarding corrupt entry %s: %s", k, error)
+        got.pop(k, None)
+        self.lru.pop(k)
+        if self.store is not None:
+            self.store.delete(k)
+        self._count(corrupt=1)
+        self.record_tenant(key_kind(k)[0], corrupt=1)
+
+    # -- writes -----------------------------------------------------------------------
+    def recorder(self, key: CacheKey, token_ids: Sequence[int]) -> "Recorder":
+        """Writes the checkpoints of a sequence whose known tokens start with ``token_ids``."""
+        bs = self.settings.block_size
+        return Recorder(self, key, block_hashes(key.root, token_ids[: len(token_ids) // bs * bs], bs))
+
+    def _submit(self, job) -> None:
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            self._count(dropped_writes=1)
+
+    def _write_loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                job()
+            except Exception:  # a write must never take the writer down
+                log.exception("deltaserve cache: a write failed")
+                self._count(write_errors=1)
+            finally:
+                self._queue.task_done()
+
+    def flush_writes(self, timeout_s: float = 30.0) -> bool:
+        """Wait until queued writes are done (tests, shutdown); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def _put(self, items: list[tuple[str, bytes]], ttl_s: int) -> None:
+        for k, v in items:
+            self.lru.put(k, v)
+        if self.store is not None and items:
+            ok = self.store.set_many(items, ttl_s)
+            self._count(redis_writes=len(items) if ok else 0, redis_write_bytes=sum(len(v) for _, v in items) if ok else 0,
+                        redis_writes_skipped=0 if ok else len(items))
+
+    def record_tenant(self, tenant: str, **fields: int) -> None:
+        """Add to the tenant's counters in Redis (asynchronously)."""
+        if self.store is not None:
+            self._submit(lambda: self.store.incr_fields(stats_key(tenant), fields))
+
+    def _watch_flushes(self, interval_s: float = 0.5) -> None:
+        """Drop LRU entries of a tenant (or all) within ``interval_s`` of an operator's flush."""
+        while True:
+            self.check_flushes()
+            time.sleep(interval_s)
+
+    def check_flushes(self) -> None:
+        epochs = self.store.hgetall(FLUSH_EPOCHS_KEY) if self.store is not None else None
+        if epochs is None:
+            return
+        if self._epochs is not None:
+            for tenant, epoch in epochs.items():
+                if self._epochs.get(tenant) != epoch:
+                    self.lru.clear(None if tenant == "*" else f"ds:v1:t:{tenant}:")
+                    self._count(lru_flushes=1)
+        self._epochs = epochs
+
+    # -- handoff ------------------------------------------------------------------------
+    def put_handoff(self, key: CacheKey, request_id: str, data: bytes) -> bool:
+        """Store a prefill → decode handoff synchronously (the decode side reads it next)."""
+        return self.store is not None and self.store.set(handoff_key(key.tenant, request_id), data, self.settings.handoff_ttl_s)
+
+    def take_handoff(self, tenant: str, request_id: str) -> bytes | None:
+        """Read and delete a handoff entry; None when missing or Redis is unavailable."""
+        if self.store is None:
+            return None
+        k = handoff_key(tenant, request_id)
+        data = self.store.get(k)
+        if data is not None:
+            self._submit(lambda: self.store.delete(k))
+        return data
+
+    # -- stats ------------------------------------------------------------------------
+    def _count(self, **fields: int) -> None:
+        with self._lock:
+            self.counters.update(fields)
+
+    def stats(self) -> dict:
+        with self._lock:
+            out = dict(self.counters)
+        out["lru"] = self.lru.stats()
+        out["pending_writes"] = self._queue.unfinished_tasks
+        if self.store is not None:
+            out["redis_breaker"] = self.store.breaker.state
+            out["redis_errors"] = self.store.errors
+        return out
+
+
+class Recorder:
+    """Turns one sequence's checkpoints into cache entries (block hashes chained as it grows)."""
+
+    def __init__(self, cache: PrefixCache, key: CacheKey, hashes: list[bytes]) -> None:
+        self.cache, self.key = cache, key
+        self.hashes = hashes  # hash of every full block known so far; the writer thread extends it
+
+    def add(self, checkpoints: list[CheckpointLike]) -> None:
+        """Queue ``checkpoints`` (from :attr:`RequestOutput.checkpoints`) for writing; returns at once."""
+        if checkpoints:
+            self.cache._submit(lambda: self._write(checkpoints))
+
+    def _write(self, checkpoints: list[CheckpointLike]) -> None:
+        cache, bs, tenant = self.cache, self.cache.settings.block_size, self.key.tenant
+        items: list[tuple[str, bytes]] = []
+        last: tuple[int, bytes] | None = None
+        for cp in checkpoints:
+            for b, start in enumerate(range(cp.block_start, cp.position, bs)):
+                index = start // bs
+                tokens = cp.tokens[start - cp.block_start : start - cp.block_start + bs]
+                if index < len(self.hashes):
+                    h = self.hashes[index]
+                elif index == len(self.hashes):
+                    h = chain_hash(self.hashes[-1] if self.hashes else self.key.root, tokens)
+                    self.hashes.append(h)
+                else:
+                    raise RuntimeError(f"checkpoint blocks are not contiguous: block {index} after {len(self.hashes)} (a bug)")
+                rows = [r[start - cp.block_start : start - cp.block_start + bs] for r in cp.mla]
+                items.append((mla_key(tenant, h), encode_mla_block(cache.layout, rows)))
+            if cp.kda is not None and cp.position >= bs:
+                h = self.hashes[cp.position // bs - 1]
+                items.append((kda_key(tenant, h), encode_kda_checkpoint(cache.layout, cp.position, cp.kda, cp.conv or [])))
+                last = (cp.position, h)
+        cache._put(items, cache.settings.ttl_s)
+        cache._count(blocks_written=sum(1 for k, _ in items if ":mla:" in k), checkpoints_written=sum(1 for k, _ in items if ":kda:" in k))
+        if last is not None and self.key.session_id is not None and cache.store is not None:
+            cache.store.hset(session_key(tenant, self.key.session_id),
+                             {"tenant": tenant, "position": last[0], "hash": last[1].hex(), "updated": int(time.time())},
+                             cache.settings.session_ttl_s)
+
+
+def flush_cache(store: RedisStore, tenant: str | None = None) -> int:
+    """Delete a tenant's entries (or all) from Redis and tell every replica to drop them from
+    its LRU (they poll :data:`FLUSH_EPOCHS_KEY`); the number of Redis keys removed."""
+    from .admin import flush
+
+    removed = flush(store, tenant)
+    if not store.hset(FLUSH_EPOCHS_KEY, {tenant or "*": f"{time.time():.6f}"}, 30 * 86400):
+        raise ConnectionError(f"Redis at {store.url} is unavailable: replicas were not told to drop their copies")
+    return removed

@@ -95,6 +95,10 @@ class Ingress(IngressRoutes, GrpcInferenceMixin):
     def usage(self) -> dict:
         return self.frontend.usage.snapshot()
 
+    def failovers(self) -> int:
+        """Streams this ingress resumed on another replica after a failure."""
+        return self.frontend.failovers
+
 
 # Applied at import time: replicas re-import this module, and must see the routes bound to the class.
 IngressASGI = serve.ingress(http_app)(Ingress)

@@ -83,6 +83,7 @@ class ModelRunner:
     def snapshot(self, slot: int) -> SequenceState:
         return self.pool.snapshot(slot, self.lengths[slot])
 
+    @torch.inference_mode()  # the pool's buffers may have been (re)allocated inside inference mode by a step
     def restore(self, slot: int, state: SequenceState) -> None:
         self.pool.restore(slot, state)
         self.lengths[slot] = state.position

@@ -98,6 +98,7 @@ class PrefixCache:
         self._writer = threading.Thread(target=self._write_loop, name="deltaserve-cache-writer", daemon=True)
         self._writer.start()
         self._epochs: dict[str, str] | None = None
+        self._closed = threading.Event()
         if store is not None:
             threading.Thread(target=self._watch_flushes, name="deltaserve-cache-flush-watch", daemon=True).start()
 
@@ -238,7 +239,7 @@ class PrefixCache:
             self._count(dropped_writes=1)
 
     def _write_loop(self) -> None:
-        while True:
+        while True:  # a daemon thread: lives as long as the replica
             job = self._queue.get()
             try:
                 job()
@@ -272,9 +273,13 @@ class PrefixCache:
 
     def _watch_flushes(self, interval_s: float = 0.5) -> None:
         """Drop LRU entries of a tenant (or all) within ``interval_s`` of an operator's flush."""
-        while True:
+        while not self._closed.wait(interval_s):
             self.check_flushes()
-            time.sleep(interval_s)
+
+    def close(self) -> None:
+        """Finish queued writes and stop the background threads (the cache still answers lookups)."""
+        self.flush_writes()
+        self._closed.set()
 
     def check_flushes(self) -> None:
         epochs = self.store.hgetall(FLUSH_EPOCHS_KEY) if self.store is not None else None

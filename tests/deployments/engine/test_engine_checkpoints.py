@@ -9,7 +9,7 @@ request must continue exactly where the failed one stopped.
 import pytest
 import torch
 
-from conftest import rel_rms
+from tests.conftest import rel_rms
 from deployments.engine import CheckpointPlan, Engine, EngineConfig, GenerationRequest
 from model import load_model, load_tokenizer
 from model.runner import ModelRunner, SamplingParams

@@ -63,7 +63,7 @@ def platform(tmp_path_factory):
                              "cache": a.cache.model_copy(update={"handoff": "cache"})})
     start(a, app_name="a", extra_apps=[("b", "/b", b)])
     yield {"redis": redis, "store": RedisStore(redis.url, timeout_s=2.0), "alice": alice, "bob": bob,
-           "http": f"http://127.0.0.1:{a.http_port}"}
+           "http": f"http://127.0.0.1:{a.http_port}", "grpc": f"127.0.0.1:{a.grpc_port}"}
     serve.shutdown()
     ray.shutdown()
     env.__exit__(None, None, None)
@@ -297,3 +297,21 @@ def test_cache_cli_stats_and_flush_by_tenant(platform, capsys):
     assert "flushed" in capsys.readouterr().out
     assert not store.scan("ds:v1:t:bob:*") and len(store.scan("ds:v1:t:alice:*")) == alice_before
     assert main(["cache", "flush", "--tenant", "Not A Slug", "--redis-url", platform["redis"].url]) == 2
+
+
+def test_grpc_session_metadata_and_cache_salt(platform):
+    import grpc
+
+    from deployments.proto.deltaserve.v1 import inference_pb2 as pb
+    from deployments.proto.deltaserve.v1 import inference_pb2_grpc as pbg
+    channel = grpc.insecure_channel(platform["grpc"])
+    stub = pbg.InferenceStub(channel)
+    prompt = "import json\n\n\ndef load(path):\n    \"\"\"Read a JSON file and return its content, or None when it is missing.\"\"\"\n"
+    meta = (("authorization", f"Bearer {platform['alice']}"), ("application", "a"), ("x-session-id", "grpc-1"))
+    first = stub.Generate(pb.GenerateRequest(model="k3", prompt=prompt, max_tokens=8, temperature=0), metadata=meta, timeout=60)
+    wait_for(lambda: platform["store"].hgetall(session_key_of("alice", "grpc-1")), what="the gRPC session")
+    again = stub.Generate(pb.GenerateRequest(model="k3", prompt=prompt, max_tokens=8, temperature=0), metadata=meta, timeout=60)
+    assert first.usage.cached_tokens == 0 and again.usage.cached_tokens > 0 and again.text == first.text
+    salted = stub.Generate(pb.GenerateRequest(model="k3", prompt=prompt, max_tokens=8, temperature=0, cache_salt="mine"),
+                           metadata=meta, timeout=60)
+    assert salted.usage.cached_tokens == 0 and salted.text == first.text  # a client salt narrows: nothing shared

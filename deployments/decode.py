@@ -64,8 +64,8 @@ class Decode:
             recorder = self.cache.recorder(key, list(p.prompt_ids) + list(p.replay_ids)) if key is not None else None
             greq = GenerationRequest(p.request_id, list(p.prompt_ids), p.max_tokens, p.sampling, p.stop,
                                      p.stop_token_ids, p.ignore_eos)
-            outs = self.async_engine.generate(greq, resume_state=state, first_token=req.first_token, replay_ids=p.replay_ids,
-                                              checkpoint_plan=self.plan if recorder else None)
+            outs = self.async_engine.generate(greq, coalesce=True, resume_state=state, first_token=req.first_token,
+                                              replay_ids=p.replay_ids, checkpoint_plan=self.plan if recorder else None)
             async with contextlib.aclosing(outs):
                 async for out in outs:
                     n = out.num_output_tokens

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from .engine import Engine
-from .sequence import GenerationRequest, RequestOutput
+from .sequence import GenerationRequest, RequestOutput, merge_outputs
 
 _T = TypeVar("_T")
 
@@ -38,9 +38,13 @@ class AsyncEngine:
         self._error: BaseException | None = None  # the step failure that stopped the engine
         self._closed = False
 
-    async def generate(self, req: GenerationRequest, **add_kwargs: Any) -> AsyncIterator[RequestOutput]:
+    async def generate(self, req: GenerationRequest, *, coalesce: bool = False, **add_kwargs: Any) -> AsyncIterator[RequestOutput]:
         """Add ``req`` (``add_kwargs`` go to :meth:`Engine.add_request`) and yield its outputs
-        until the finished one. Stopping early aborts the request."""
+        until the finished one. Stopping early aborts the request.
+
+        ``coalesce``: when the consumer has fallen behind the engine, yield everything already
+        queued for the request as one merged output (no added latency: nothing waits for more
+        tokens; a stream crossing processes pays its per-item cost once per merged output)."""
         self._check_alive()
         rid = req.request_id
         if rid in self._queues:
@@ -55,6 +59,9 @@ class AsyncEngine:
             self._wake.set()  # type: ignore[union-attr]  # made by _start
             while not finished:
                 item = await queue.get()
+                while coalesce and not isinstance(item, BaseException) and not item.finished and not queue.empty():
+                    nxt = queue.get_nowait()
+                    item = nxt if isinstance(nxt, BaseException) else merge_outputs(item, nxt)
                 if isinstance(item, BaseException):
                     raise RuntimeError(f"engine stopped before request {rid!r} finished: {item!r}") from item
                 finished = item.finished

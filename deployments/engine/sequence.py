@@ -114,6 +114,24 @@ class RequestOutput:
     checkpoints: list[Checkpoint] = field(default_factory=list)  # cut since the previous output (CheckpointPlan), oldest first
 
 
+def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """One output equivalent to ``a`` followed by ``b`` (consecutive outputs of one request)."""
+    if a.request_id != b.request_id or a.finished:
+        raise ValueError(f"cannot merge output of {b.request_id!r} after {a.request_id!r} (finished={a.finished})")
+    return RequestOutput(
+        request_id=b.request_id,
+        new_token_ids=a.new_token_ids + b.new_token_ids,
+        new_text=a.new_text + b.new_text,
+        finished=b.finished,
+        finish_reason=b.finish_reason,
+        num_prompt_tokens=b.num_prompt_tokens,
+        num_output_tokens=b.num_output_tokens,
+        num_cached_tokens=b.num_cached_tokens,
+        state=b.state,
+        checkpoints=a.checkpoints + b.checkpoints,
+    )
+
+
 class SequenceStatus(Enum):
     WAITING = "waiting"  # queued; no slot (new, or a handoff state not yet restored)
     RUNNING = "running"  # holds a runner slot

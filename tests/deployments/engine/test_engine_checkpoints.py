@@ -139,3 +139,27 @@ def test_replay_with_a_handoff_state_and_bad_states_are_rejected(model, tok):
         engine.add_request(GenerationRequest("q", prompt, 2, ignore_eos=True), replay_ids=[5, 6])
     with pytest.raises(ValueError, match="block_size must be a positive integer, got 0"):
         CheckpointPlan(block_size=0)
+
+
+def test_coalesced_stream_of_a_slow_consumer_equals_the_plain_stream(model, tok):
+    import asyncio
+
+    from deployments.engine import AsyncEngine
+
+    prompt = ids(10, 9)
+
+    async def consume(coalesce: bool, delay: float):
+        engine = AsyncEngine(engine_for(model, tok))
+        outs = []
+        async for o in engine.generate(GenerationRequest("s", prompt, 24, ignore_eos=True, stop=("zz",)), coalesce=coalesce):
+            outs.append(o)
+            await asyncio.sleep(delay)  # a consumer slower than the engine's steps
+        await engine.shutdown()
+        return outs
+
+    plain = asyncio.run(consume(False, 0.0))
+    merged = asyncio.run(consume(True, 0.05))
+    assert len(merged) < len(plain)  # outputs were merged
+    assert [t for o in merged for t in o.new_token_ids] == [t for o in plain for t in o.new_token_ids]
+    assert "".join(o.new_text for o in merged) == "".join(o.new_text for o in plain)
+    assert merged[-1].finished and merged[-1].num_output_tokens == 24 and all(not o.finished for o in merged[:-1])

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .layers.attn_res import attn_res_mix
+from .layers.attn_res import AttnResStream, attn_res_mix, mix_queries
+from .layers.fused import Derived, fast_path_ok, rms_norm, scaled_norm_weight, structure
 from .layers.kda import KimiDeltaAttention
 from .layers.mla import MLAttention
 from .layers.moe import GLUMLP, SparseMoE
@@ -31,6 +32,7 @@ class DecoderLayer(nn.Module):
         D = config.hidden_size
         self.layer_idx = layer_idx
         self.is_kda = config.is_kda(layer_idx)
+        self.is_moe = config.is_moe(layer_idx)
         self.self_attn = KimiDeltaAttention(config, layer_idx) if self.is_kda else MLAttention(config, layer_idx)
         if config.is_moe(layer_idx):
             self.block_sparse_moe = SparseMoE(config)
@@ -46,16 +48,27 @@ class DecoderLayer(nn.Module):
             self.mlp_res_norm = RMSNorm(D, eps=config.rms_norm_eps)
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
+        return self.block_sparse_moe(x) if self.is_moe else self.mlp(x)
 
     def forward(
-        self, h: torch.Tensor, blocks: list[torch.Tensor], layout: BatchLayout, pool: StatePool
+        self, h: torch.Tensor, blocks: list[torch.Tensor] | AttnResStream, layout: BatchLayout, pool: StatePool
     ) -> torch.Tensor:
         """Plain residual: h → h + attn + ffn. With Attention Residuals ``h`` is the partial sum
-        and ``blocks`` (completed block sums) may gain one entry."""
+        and ``blocks`` (completed block sums: a list, or the inference fast path's
+        :class:`AttnResStream`) may gain one entry."""
         if not self.block_size:
             h = h + self.self_attn(self.input_layernorm(h), layout, pool)
             return h + self.ffn(self.post_attention_layernorm(h))
+        if isinstance(blocks, AttnResStream):  # the inference fast path (fp32, no autograd)
+            attn, ffn = structure(self, "_fast_parts", lambda: (self.self_attn, self.block_sparse_moe if self.is_moe else self.mlp))
+            w1, eps1, w2, eps2 = blocks.norms[self.layer_idx]  # √D-scaled norm weights (see fused.rms_norm)
+            m = 2 * self.layer_idx  # this layer's two mixing points (see KimiTextModel.mix_points)
+            if self.layer_idx % self.block_size == 0:  # h completes a block: mix over the blocks only
+                blocks.append(h)
+                h = attn(rms_norm(blocks.mix_blocks(m), w1, eps1), layout, pool)
+            else:
+                h = attn(rms_norm(blocks.mix(h, m), w1, eps1), layout, pool).add_(h)  # fresh outputs: add in place
+            return ffn(rms_norm(blocks.mix(h, m + 1), w2, eps2)).add_(h)
         x = attn_res_mix(blocks + [h], self.self_attention_res_proj, self.self_attention_res_norm)
         if self.layer_idx % self.block_size == 0:
             blocks.append(h)
@@ -77,10 +90,40 @@ class KimiTextModel(nn.Module):
         if self.attn_res:
             self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
             self.output_attn_res_norm = RMSNorm(D, eps=config.rms_norm_eps)
+            self._fast = Derived()
+
+    def mix_points(self) -> list[tuple[nn.Linear, RMSNorm]]:
+        """(proj, norm) of every Attention-Residual mixing point in order: layer i's attention input
+        (2i), its FFN input (2i + 1), the final mix (2L)."""
+        points = []
+        for layer in self.layers:
+            points += [(layer.self_attention_res_proj, layer.self_attention_res_norm), (layer.mlp_res_proj, layer.mlp_res_norm)]
+        return points + [(self.output_attn_res_proj, self.output_attn_res_norm)]
+
+    def _norms(self) -> list[RMSNorm]:
+        return [n for layer in self.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)] + [self.norm]
+
+    def _fast_sources(self) -> list[torch.Tensor]:
+        return [t for proj, norm in self.mix_points() for t in (proj.weight, norm.weight)] + [n.weight for n in self._norms()]
+
+    def _fast_build(self) -> tuple:
+        """Fast-path weights of the whole stack: the mixing points' queries (:func:`mix_queries`) and every
+        layer's (input norm, post-attention norm) and the final norm as (√D-scaled weight, eps)."""
+        scaled = [(scaled_norm_weight(n.weight), n.eps) for n in self._norms()]
+        norms = [scaled[2 * i] + scaled[2 * i + 1] for i in range(len(self.layers))] + [scaled[-1]]
+        return (*mix_queries(self.mix_points()), norms)
 
     def forward(self, input_ids: torch.Tensor, layout: BatchLayout, pool: StatePool) -> torch.Tensor:
         """input_ids [T_total] packed → final hidden states [T_total, D]."""
         h = self.embed_tokens(input_ids)
+        if self.attn_res and fast_path_ok(h):
+            layers = structure(self, "_fast_parts", lambda: list(self.layers))
+            W, rows, eps, norms = self._fast.get(self._fast_sources, self._fast_build)
+            stream = AttnResStream(W, rows, eps, norms)
+            for layer in layers:
+                h = layer(h, stream, layout, pool)
+            w, e = norms[-1]
+            return rms_norm(stream.mix(h, 2 * len(layers)), w, e)
         blocks: list[torch.Tensor] = []
         for layer in self.layers:
             h = layer(h, blocks, layout, pool)

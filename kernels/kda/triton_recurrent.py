@@ -183,15 +183,28 @@ def _decode_step_torch(
     """One token per sequence, every sequence with a slot: the lean CPU decode step.
 
     Same math as :func:`naive_recurrent_kda` (its reference, held together by the tests) for T = 1,
-    with the gathered states updated in place and written back to ``pool`` by slot.
+    rearranged so the state is read once and updated in place once::
+
+        S' = D S + k uᵀ,  u = β (v - kᵀ D S),  o = qᵀ S' = (q ⊙ d)ᵀ S + (q · k) u     (D = diag(d), d = exp(g))
+
+    ``(k ⊙ d)ᵀ S`` and ``(q ⊙ d)ᵀ S`` are one batched matmul over the old state. When the slots are
+    consecutive (a, a+1, ...) the pool rows are updated in place as a slice; otherwise they are
+    gathered and written back by slot.
     """
-    S = pool.index_select(0, slots)  # [N, H, K, V]
-    q, k, v, g, beta = (t[:, 0].float() for t in (q, k, v, g, beta))
-    S.mul_(g.exp().unsqueeze(-1))
-    u = beta.unsqueeze(-1) * (v - torch.einsum("nhk,nhkv->nhv", k, S))  # [N, H, V]
-    S.add_(k.unsqueeze(-1) * u.unsqueeze(-2))
-    o = torch.einsum("nhk,nhkv->nhv", q * scale, S)
-    pool.index_copy_(0, slots, S)
+    N = q.shape[0]
+    q, k, v, g, beta = (t[:, 0].float() for t in (q, k, v, g, beta))  # [N, H, K|V], beta [N, H]
+    idx = slots.tolist()
+    a = idx[0]
+    contiguous = idx == list(range(a, a + N))
+    S = pool[a : a + N] if contiguous else pool.index_select(0, slots)  # [N, H, K, V]
+    d = g.exp()
+    q = q * scale
+    r = torch.matmul(torch.stack([k, q], dim=2) * d.unsqueeze(2), S)  # [N, H, 2, V]: (k⊙d)ᵀS, (q⊙d)ᵀS
+    u = beta.unsqueeze(-1) * (v - r[:, :, 0])  # [N, H, V]
+    o = torch.addcmul(r[:, :, 1], (q * k).sum(-1, keepdim=True), u)
+    S.mul_(d.unsqueeze(-1)).addcmul_(k.unsqueeze(-1), u.unsqueeze(-2))
+    if not contiguous:
+        pool.index_copy_(0, slots, S)
     return o.unsqueeze(1), pool
 
 

@@ -12,6 +12,12 @@ Per token (H heads, head dim D = K = V)::
 The gate is Kimi-Linear's ``-exp(A_log) * softplus(g + dt_bias)`` or K3's lower-bound
 form ``lb * sigmoid(exp(A_log) * (g + dt_bias))``. The output gate is low rank
 (``g_b(g_a(x))``) or full rank (``g_proj``, K3).
+
+Decode fast path (one token per sequence, fp32, CPU, no autograd; :meth:`KimiDeltaAttention._decode_fast`):
+the six projections of ``x`` (q, k, v, output gate, f_a, b) run as one matmul, the short convs
+read and shift their tails in place when the batch's slots are consecutive, and the recurrent
+step reads each state once and updates it in place (the rearrangement of ``fused_recurrent_kda``'s
+torch decode kernel, without its per-call argument checks).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from kernels.kda import chunk_kda, fused_recurrent_kda
 
 from ..config import ModelConfig
 from ..state import BatchLayout, StatePool
+from .fused import Derived, cat_rows, fast_path_ok, slot_range, unit_rms_norm
 from .norms import RMSNorm, gated_rms_norm
 
 
@@ -91,6 +98,7 @@ class KimiDeltaAttention(nn.Module):
         self.dt_bias = nn.Parameter(torch.zeros(P))
         self.o_norm = RMSNorm(c.head_dim, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(P, hidden, bias=False)
+        self._fast = Derived()  # decode fast path: fused projection and conv weights, gate constants
 
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
         return self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
@@ -111,6 +119,8 @@ class KimiDeltaAttention(nn.Module):
         """x: [T_total, hidden] packed tokens → [T_total, hidden]; updates the layer's slots in ``pool``."""
         T, H, D = x.shape[0], self.num_heads, self.head_dim
         i = pool.kda_index[self.layer_idx]
+        if layout.is_decode and fast_path_ok(x):
+            return self._decode_fast(x, layout, pool, i)
         if layout.is_decode:
             q, k, v = self._conv_decode(x, layout, pool.conv_state[i])
         else:
@@ -149,3 +159,110 @@ class KimiDeltaAttention(nn.Module):
                 pool.kda_state[i].index_copy_(0, layout.slot_index, final.detach().float())
         o = gated_rms_norm(o.reshape(T, H, D), self.output_gate(x).view(T, H, D), self.o_norm)
         return self.o_proj(o.reshape(T, H * D).to(x.dtype))
+
+    # -- decode fast path ---------------------------------------------------------------------
+    def _fast_weights(self) -> tuple:
+        """Weights of :meth:`_decode_fast`, derived from the parameters (fp32):
+
+        * W_in [3P + G + F + H, hidden]: the q, k, v, output gate (or g_a), f_a and b projections as
+          one matmul, and its split [3P, G, F, H];
+        * conv weights [W, 3P] (one row per tap);
+        * the gate's f_b with its constants folded in: K3's ``lb · sigmoid(a (f_b(f_a x) + dt))`` is
+          ``lb · sigmoid(f_b'(f_a x) + dt')`` with f_b' = a · f_b per head, dt' = a · dt (a = exp(A_log));
+          Kimi-Linear's softplus gate keeps f_b and dt, with its factor -a;
+        * o_norm's eps times K: the query scale K^-½ is left out of q and o, and RMSNorm(K^-½ o; eps) =
+          RMSNorm(o; K · eps), so the normalised output is the same;
+        * g_b (or None); o_proj with √D · o_norm's weight folded into its columns (both precede the
+          gate's elementwise product; see :func:`~.fused.unit_rms_norm`), and o_norm's eps.
+        """
+        H, D = self.num_heads, self.head_dim
+
+        def parts():
+            gate = [self.g_proj] if self.full_rank_gate else [self.g_a_proj]
+            lins = [self.q_proj, self.k_proj, self.v_proj, *gate, self.f_a_proj, self.b_proj]
+            convs = [self.q_conv1d, self.k_conv1d, self.v_conv1d]
+            tail = [self.f_b_proj, self.o_norm, self.o_proj] + ([] if self.full_rank_gate else [self.g_b_proj])
+            return lins, convs, tail
+
+        def sources():
+            lins, convs, tail = parts()
+            return [m.weight for m in lins + convs + tail] + [self.A_log, self.dt_bias]
+
+        def build():
+            lins, convs, _ = parts()
+            a = self.A_log.detach().float().reshape(-1)[:H].exp().repeat_interleave(D)  # [H * D]
+            w_fb, dt = self.f_b_proj.weight.detach().float(), self.dt_bias.detach().float().reshape(-1)
+            if self.lower_bound is not None:
+                w_fb, dt, a = w_fb * a[:, None], dt * a, torch.tensor(float(self.lower_bound))
+            else:
+                a = -a.view(H, D)
+            w_o = self.o_proj.weight.detach().float() * (self.o_norm.weight.detach().float() * D**0.5).repeat(H)
+            return (
+                cat_rows([lin.weight for lin in lins]),
+                [sum(lin.out_features for lin in lins[:3])] + [lin.out_features for lin in lins[3:]],
+                torch.cat([c.weight.detach().float() for c in convs])[:, 0].t().contiguous(),  # [W, 3P]
+                w_fb.contiguous(), dt.contiguous(), a,
+                None if self.full_rank_gate else self.g_b_proj.weight,
+                w_o.contiguous(), self.o_norm.eps * D,
+            )
+
+        return self._fast.get(sources, build)
+
+    def _decode_fast(self, x: torch.Tensor, layout: BatchLayout, pool: StatePool, i: int) -> torch.Tensor:
+        """The decode step of :meth:`forward` (same math, fewer kernels) for fp32 on CPU without autograd.
+
+        The recurrent step is :func:`~kernels.kda.triton_recurrent._decode_step_torch`'s rearrangement
+        (state read by one batched matmul, then updated in place), with the constants folded into
+        weights (:meth:`_fast_weights`); the conv tails and states are updated in place as pool slices
+        when the slots are consecutive, else gathered and written back by slot.
+        """
+        N, H, D = x.shape[0], self.num_heads, self.head_dim
+        W, split, wc, w_fb, dt, a_gate, w_gb, w_o, eps_o = self._fast_weights()
+        qkv, gate_in, fa, b = F.linear(x, W).split(split, dim=1)
+
+        # short convs: y = silu(Σ_w [tails, x]_w · weight_w), one multiply-add per tap (faster than a
+        # reduction over the 4 taps); the tails shift by one, in place when the slots are consecutive
+        conv, state = pool.conv_state[i], pool.kda_state[i]
+        a = slot_range(layout.slots)
+        tails = conv[a : a + N] if a is not None else conv.index_select(0, layout.slot_index)
+        taps = tails.view(N, wc.shape[1], -1).unbind(-1)  # W-1 x [N, 3P], oldest first
+        y = qkv * wc[-1]
+        for tap, w in zip(taps, wc):
+            y = torch.addcmul(y, tap, w)
+        for older, newer in zip(taps, taps[1:]):
+            older.copy_(newer)
+        taps[-1].copy_(qkv)
+        if a is None:
+            conv.index_copy_(0, layout.slot_index, tails)
+        y = F.silu(y).view(N, 3, H, D)
+
+        qk = y[:, :2]  # l2norm of q and k: x / sqrt(Σx² + eps) (q without the scale K^-½: see eps_o)
+        qk = qk / torch.hypot(torch.linalg.vector_norm(qk, dim=-1, keepdim=True), _SQRT_L2_EPS)
+        q, k = qk.unbind(1)  # [N, H, D]
+        g = F.linear(fa, w_fb, dt).view(N, H, D)
+        if self.lower_bound is None:
+            d = F.softplus(g).mul_(a_gate).exp_()  # exp(-exp(A_log) · softplus(g + dt_bias))
+        else:
+            d = torch.sigmoid(g).mul_(a_gate).exp_()  # exp(lb · sigmoid(exp(A_log) · (g + dt_bias)))
+        beta = torch.sigmoid(b).unsqueeze(-1)  # [N, H, 1]
+
+        # S' = D S + k uᵀ, u = β (v - kᵀ D S), o = qᵀ S' (times K^-½, left to the o norm)
+        S = state[a : a + N] if a is not None else state.index_select(0, layout.slot_index)  # [N, H, K, V]
+        if N < 8:  # (k ⊙ d)ᵀ S, then o = qᵀ S' read from the updated state (fewer kernels)
+            u = (y[:, 2] - torch.matmul((k * d).unsqueeze(-2), S).squeeze(-2)).mul_(beta)
+            S.mul_(d.unsqueeze(-1)).addcmul_(k.unsqueeze(-1), u.unsqueeze(-2))
+            o = torch.matmul(q.unsqueeze(-2), S).squeeze(-2)  # [N, H, V]
+        else:  # one read of the old state for both: o = (q ⊙ d)ᵀ S + (q · k) u (fewer state passes)
+            qd, kd = torch.matmul(qk.transpose(1, 2) * d.unsqueeze(2), S).unbind(2)
+            u = (y[:, 2] - kd).mul_(beta)
+            o = torch.addcmul(qd, torch.linalg.vecdot(q, k).unsqueeze(-1), u)
+            S.mul_(d.unsqueeze(-1)).addcmul_(k.unsqueeze(-1), u.unsqueeze(-2))
+        if a is None:
+            state.index_copy_(0, layout.slot_index, S)
+
+        gate = gate_in if w_gb is None else F.linear(gate_in, w_gb)
+        o = unit_rms_norm(o, eps_o).mul_(torch.sigmoid(gate.view(N, H, D)))  # (√D · o_norm.weight in w_o; K · eps)
+        return F.linear(o.view(N, H * D), w_o)
+
+
+_SQRT_L2_EPS = torch.tensor(1e-6**0.5)  # l2norm's eps under the square root

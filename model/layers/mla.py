@@ -8,6 +8,10 @@ and ``v_h = W_uv,h · latent`` (``kv_b_proj`` stacks ``[W_uk,h ; W_uv,h]`` per h
 
 Prefill expands keys and values for the chunk's attention span; decode absorbs ``W_uk``
 into the query and ``W_uv`` into the output so each step reads only the latent cache.
+
+Decode fast path (fp32, no autograd; :mod:`.fused`): the projections of ``x`` (q_a or q, kv_a,
+the output gate) as one matmul, the absorbed weights precomputed, and several sequences'
+latent attention as one padded batch while their caches are small (each alone otherwise).
 """
 
 from __future__ import annotations
@@ -18,7 +22,11 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..state import BatchLayout, StatePool
+from .fused import Derived, fast_path_ok, rms_norm, scaled_norm_weight, unit_rms_norm
 from .norms import RMSNorm
+
+# The batched decode copies the sequences' caches into one padded tensor: only while that is small.
+BATCHED_DECODE_MAX_BYTES = 8 << 20
 
 
 class MLAttention(nn.Module):
@@ -45,6 +53,7 @@ class MLAttention(nn.Module):
         self.use_output_gate = config.mla_use_output_gate
         if self.use_output_gate:
             self.g_proj = nn.Linear(hidden, H * self.v_dim, bias=False)
+        self._fast = Derived()
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -56,6 +65,8 @@ class MLAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, layout: BatchLayout, pool: StatePool) -> torch.Tensor:
         """x: [T_total, hidden] packed tokens → [T_total, hidden]; appends to the slots' latent caches."""
+        if layout.is_decode and fast_path_ok(x):
+            return self._decode_fast(x, layout, pool)
         q, c = self._query(x), self._latent(x)
         buffers = pool.mla_kv[pool.mla_index[self.layer_idx]]
         with torch.no_grad():
@@ -91,8 +102,69 @@ class MLAttention(nn.Module):
         )
         return o.transpose(1, 2)  # [B, L, H, v]
 
+    # -- decode fast path ---------------------------------------------------------------------
+    def _fast_weights(self) -> tuple:
+        """(W_in = [q_a (or q); kv_a; g] as one matmul, its split, q_b with √rank · q_a_layernorm's weight
+        folded into its columns (or None), q_a_layernorm eps, kv_a_layernorm's scaled weight and eps, o_proj
+        weight, and :meth:`_absorbed`'s W_uk and W_uvᵀ); see :func:`~.fused.rms_norm`."""
+
+        def parts():
+            lins = [self.q_proj] if self.q_lora_rank is None else [self.q_a_proj]
+            lins.append(self.kv_a_proj_with_mqa)
+            if self.use_output_gate:
+                lins.append(self.g_proj)
+            return lins
+
+        def sources():
+            extra = [] if self.q_lora_rank is None else [self.q_b_proj.weight, self.q_a_layernorm.weight]
+            return [lin.weight for lin in parts()] + extra + [self.kv_a_layernorm.weight, self.o_proj.weight, self.kv_b_proj.weight]
+
+        def build():
+            lins = parts()
+            q_b = None
+            if self.q_lora_rank is not None:
+                q_b = self.q_b_proj.weight.detach().float() * scaled_norm_weight(self.q_a_layernorm.weight)
+                q_b = q_b.contiguous()
+            return (
+                torch.cat([lin.weight.detach().float() for lin in lins]).contiguous(),
+                [lin.out_features for lin in lins],
+                q_b, None if self.q_lora_rank is None else self.q_a_layernorm.eps,
+                scaled_norm_weight(self.kv_a_layernorm.weight), self.kv_a_layernorm.eps, self.o_proj.weight,
+                *self._absorbed(),
+            )
+
+        return self._fast.get(sources, build)
+
+    def _decode_fast(self, x: torch.Tensor, layout: BatchLayout, pool: StatePool) -> torch.Tensor:
+        """The decode step of :meth:`forward` (same math, fewer kernels) for fp32 without autograd."""
+        N, H = x.shape[0], self.num_heads
+        W, split, q_b, eps_q, w_kv, eps_kv, w_o, _, _ = self._fast_weights()
+        z = F.linear(x, W).split(split, dim=1)
+        q = z[0] if q_b is None else F.linear(unit_rms_norm(z[0], eps_q), q_b)
+        ckv = z[1]
+        c = torch.cat([rms_norm(ckv[:, : self.rank], w_kv, eps_kv), ckv[:, self.rank :]], dim=1)
+        buffers = pool.mla_kv[pool.mla_index[self.layer_idx]]
+        for slot, start in zip(layout.slots, layout.starts):
+            if buffers[slot].shape[0] <= start:
+                pool.reserve(slot, start + 1)
+        if N == 1:
+            buffers[layout.slots[0]][layout.starts[0]].copy_(c[0])
+        else:  # one call for all the rows
+            torch._foreach_copy_([buffers[s][t] for s, t in zip(layout.slots, layout.starts)], list(c.unbind(0)))
+        o = self._decode(q.view(N, H, self.nope + self.rope), layout, buffers).reshape(N, H * self.v_dim)
+        if self.use_output_gate:
+            o = o.mul_(torch.sigmoid(z[2]))
+        return F.linear(o, w_o)
+
+    def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_uk · scale [H, nope, rank], W_uvᵀ [H, rank, v]) from kv_b_proj, fp32."""
+        w = self.kv_b_proj.weight.detach().float().view(self.num_heads, self.nope + self.v_dim, self.rank)
+        return (w[:, : self.nope] * self.scale).contiguous(), w[:, self.nope :].transpose(1, 2).contiguous()
+
     def _decode(self, q: torch.Tensor, layout: BatchLayout, buffers: list[torch.Tensor]) -> torch.Tensor:
         """One new token per sequence, attention in latent space (weight absorption)."""
+        if fast_path_ok(q) and buffers[layout.slots[0]].dtype == q.dtype:
+            return self._decode_absorbed(q, layout, buffers)
         H = self.num_heads
         w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [H, nope, rank], [H, v, rank]
@@ -104,3 +176,28 @@ class MLAttention(nn.Module):
             p = torch.softmax((q_full[n] @ ctx.t()).float(), dim=-1).to(q.dtype)  # [H, S]
             outs.append(p @ ctx[:, : self.rank])  # [H, rank]
         return torch.einsum("nhr,hvr->nhv", torch.stack(outs), w_uv)
+
+    def _decode_absorbed(self, q: torch.Tensor, layout: BatchLayout, buffers: list[torch.Tensor]) -> torch.Tensor:
+        """:meth:`_decode` for fp32 without autograd: absorbed weights precomputed (scale folded into
+        W_uk), and the sequences batched (caches copied into one padded tensor, positions past each
+        sequence's end masked) while that copy is small; each sequence alone otherwise."""
+        N, H, R = q.shape[0], self.num_heads, self.rank
+        w_uk, w_uv_t = self._fast_weights()[-2:]
+        q_lat = torch.bmm(q[..., : self.nope].transpose(0, 1), w_uk).transpose(0, 1)  # [N, H, rank], scaled
+        q_full = torch.cat([q_lat, q[..., self.nope :] * self.scale], dim=-1)  # [N, H, rank + rope]
+        lengths = [start + 1 for start in layout.starts]
+        S = max(lengths)
+        if N > 1 and N * S * q_full.shape[-1] * q_full.element_size() <= BATCHED_DECODE_MAX_BYTES:
+            ctx = torch.nn.utils.rnn.pad_sequence([buffers[s][:n] for s, n in zip(layout.slots, lengths)], batch_first=True)
+            scores = torch.bmm(q_full, ctx.transpose(1, 2))  # [N, H, S]
+            if min(lengths) < S:
+                pad = torch.arange(S, device=q.device) >= torch.tensor(lengths, device=q.device)[:, None]
+                scores.masked_fill_(pad[:, None, :], float("-inf"))
+            lat = torch.bmm(torch.softmax(scores, dim=-1), ctx[..., :R])  # [N, H, rank]
+        else:
+            outs = []
+            for n, (slot, length) in enumerate(zip(layout.slots, lengths)):
+                ctx = buffers[slot][:length]  # [S, rank+rope], a view
+                outs.append(torch.softmax(q_full[n] @ ctx.t(), dim=-1) @ ctx[:, :R])  # [H, rank]
+            lat = torch.stack(outs)
+        return torch.bmm(lat.transpose(0, 1), w_uv_t).transpose(0, 1)  # [N, H, v]

@@ -9,6 +9,11 @@ Router (DeepSeek-V3 / Kimi style)::
 
 LatentMoE (K3) runs the routed experts in a narrower latent space:
 ``y = up(norm(Σ w_j · expert_j(down(x)))) + shared(x)``.
+
+Inference fast path (fp32, no autograd; see :mod:`.fused`): the router and the latent down
+projection run as one matmul, the GLU gate and up projections as one, and the routed experts as
+a few batched matmuls over stacked expert weights (:func:`run_experts_packed`) instead of a
+Python loop over experts (:func:`run_experts_loop`, the reference).
 """
 
 from __future__ import annotations
@@ -18,7 +23,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from . import fused
+from .fused import Derived, cat_rows, fast_path_ok, unit_rms_norm
 from .norms import RMSNorm
+
+# Above this many (token, expert) assignments per call the reference loop is used: its Python
+# overhead no longer matters there and the padded batches of the packed path would waste work.
+PACKED_MAX_ASSIGNMENTS = 512
+_TINY = torch.tensor(1e-20)
 
 
 def glu(gate: torch.Tensor, up: torch.Tensor, act: str, beta: float = 1.0, linear_beta: float | None = None) -> torch.Tensor:
@@ -35,9 +47,32 @@ def glu(gate: torch.Tensor, up: torch.Tensor, act: str, beta: float = 1.0, linea
 class _Act:
     def __init__(self, config: ModelConfig) -> None:
         self.act, self.beta, self.linear_beta = config.hidden_act, config.situ_beta, config.situ_linear_beta
+        self._beta_t = torch.tensor(float(self.beta))
 
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return glu(gate, up, self.act, self.beta, self.linear_beta)
+
+    # Fast path: the GLU's constants folded into the weights (fp32, inference).
+    def fold(self, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_in [2I, D], W_out [D, I]) with ``fused(x @ W_in.T) @ W_out.T`` = ``down(act(gate(x), up(x)))``.
+
+        SiTU with both betas: W_in = [W_gate / β ; W_up / β_lin] and W_out = W_down · β β_lin, so that
+        ``fused`` computes tanh(g/β) · sigmoid(g) · tanh(u/β_lin) with one tanh over both halves."""
+        w_gate, w_up, w_down = (w.detach().float() for w in (w_gate, w_up, w_down))
+        if self.act == "situ" and self.linear_beta is not None:
+            w_gate, w_up, w_down = w_gate / self.beta, w_up / self.linear_beta, w_down * (self.beta * self.linear_beta)
+        return torch.cat([w_gate, w_up]).contiguous(), w_down.contiguous()
+
+    def fused(self, h: torch.Tensor) -> torch.Tensor:
+        """The GLU of ``h = x @ W_in.T`` for :meth:`fold`'s W_in (h = [gate | up] along the last dim)."""
+        if self.act == "silu":
+            gate, up = h.chunk(2, dim=-1)
+            return F.silu(gate).mul_(up)
+        if self.linear_beta is None:
+            gate, up = h.chunk(2, dim=-1)
+            return self.beta * torch.tanh(gate / self.beta) * torch.sigmoid(gate) * up
+        t_gate, t_up = torch.tanh(h).chunk(2, dim=-1)  # tanh(g/β), tanh(u/β_lin)
+        return torch.sigmoid(h[..., : t_gate.shape[-1]] * self._beta_t).mul_(t_gate).mul_(t_up)
 
 
 class GLUMLP(nn.Module):
@@ -49,8 +84,14 @@ class GLUMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.act = _Act(config)
+        self._folded = Derived()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fast_path_ok(x):  # gate and up projections as one matmul, the GLU's constants folded in
+            w_in, w_out = self._folded.get(
+                lambda: (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight),
+                lambda: self.act.fold(self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight))
+            return F.linear(self.act.fused(F.linear(x, w_in)), w_out)
         return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -80,9 +121,27 @@ class Router(nn.Module):
         self.renormalize = config.moe_renormalize
         self.scaling = config.routed_scaling_factor
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] → (expert ids [T, k] int64, weights [T, k] fp32)."""
-        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))  # [T, E]
+    def forward(
+        self, x: torch.Tensor, logits: torch.Tensor | None = None, zero_bias: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] → (expert ids [T, k] int64, weights [T, k] fp32).
+
+        ``logits``: ``x @ weight.T`` in fp32 when the caller computed it already (the fast path);
+        ``zero_bias``: the caller checked that the correction bias is all zeros (then the choice is
+        the top-k of the scores themselves)."""
+        if logits is not None and self.n_group == 1:  # fast path (inference, fp32)
+            scores = torch.sigmoid(logits)
+            if zero_bias:
+                w, idx = scores.topk(self.top_k, dim=-1)  # scores + 0 == scores: same choice, and w directly
+            else:
+                idx = torch.add(scores, self.e_score_correction_bias).topk(self.top_k, dim=-1).indices
+                w = scores.gather(1, idx)
+            if self.renormalize and self.top_k > 1:
+                w = w.div_(torch.add(_TINY, w.sum(-1, keepdim=True)))
+            return idx, w if self.scaling == 1.0 else w * self.scaling
+        if logits is None:
+            logits = F.linear(x.float(), self.weight.float())
+        scores = torch.sigmoid(logits)  # [T, E]
         choice = scores.detach() + self.e_score_correction_bias.float()
         if self.n_group > 1:
             T, E = choice.shape
@@ -95,10 +154,109 @@ class Router(nn.Module):
         w = scores.gather(1, idx)
         if self.renormalize and self.top_k > 1:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return idx, w * self.scaling
+        return idx, w if self.scaling == 1.0 else w * self.scaling
 
 
 def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
+    """Σ_j w[t,j] · experts[idx[t,j]](x[t]): x [T, D], idx [T, k], w [T, k] fp32 → [T, D] in x's dtype.
+
+    :func:`run_experts_packed` on the inference fast path (up to ``PACKED_MAX_ASSIGNMENTS``
+    assignments), else :func:`run_experts_loop`.
+    """
+    if len(experts) and idx.numel() <= PACKED_MAX_ASSIGNMENTS and fast_path_ok(x):
+        return run_experts_packed(x, idx, w, packed_experts(experts))
+    return run_experts_loop(x, idx, w, experts)
+
+
+class PackedExperts:
+    """One ``ModuleList`` of experts as stacked fp32 weights for batched matmuls, the GLU's constants
+    folded in (:meth:`_Act.fold`): W13 [E, D, 2I] and W2 [E, I, D], laid out for ``x @ W``.
+
+    :meth:`weights` refreshes the slices of the experts a forward uses whose parameters changed
+    (version counter or storage, as :class:`~.fused.Derived`): checking only those keeps a one-token
+    step from checking every expert. The whole pack is rebuilt after any module or parameter
+    registration (:func:`packed_experts`)."""
+
+    def __init__(self, experts: nn.ModuleList) -> None:
+        self.generation = fused.generation()
+        self.params = [(e.w1.weight, e.w3.weight, e.w2.weight) for e in experts]
+        self.act = experts[0].act
+        with fused.building():
+            folded = [self.act.fold(*p) for p in self.params]
+            self.w13 = torch.stack([w_in.t() for w_in, _ in folded]).contiguous()
+            self.w2 = torch.stack([w_out.t() for _, w_out in folded]).contiguous()
+        self.keys = [self._key(p) for p in self.params]
+        self.refs = [[t.detach() for t in p] for p in self.params]  # pin the storages the keys name
+
+    @staticmethod
+    def _key(p: tuple[torch.Tensor, ...]) -> tuple:
+        return (p[0].data_ptr(), p[1].data_ptr(), p[2].data_ptr(), p[0]._version, p[1]._version, p[2]._version)
+
+    def weights(self, chosen) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W13, W2), current for the experts in ``chosen`` (an iterable of expert ids)."""
+        for e in chosen:
+            p = self.params[e]
+            key = self._key(p)
+            if key != self.keys[e]:
+                with fused.building():
+                    w_in, w_out = self.act.fold(*p)
+                    self.w13[e].copy_(w_in.t())
+                    self.w2[e].copy_(w_out.t())
+                self.keys[e], self.refs[e] = key, [t.detach() for t in p]
+        return self.w13, self.w2
+
+
+def packed_experts(experts: nn.ModuleList) -> PackedExperts:
+    """The :class:`PackedExperts` of ``experts``, cached on it."""
+    packed = experts.__dict__.get("_packed")
+    if packed is None or packed.generation != fused.generation():
+        packed = experts.__dict__["_packed"] = PackedExperts(experts)
+    return packed
+
+
+def run_experts_packed(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, packed: PackedExperts) -> torch.Tensor:
+    """:func:`run_experts_loop` as batched matmuls over :class:`PackedExperts` (fp32, inference).
+
+    One token, two experts (batch-1 decode with top-2): both experts' weights as one strided view
+    (no copy) and two batched matmuls. A few assignments: one vector-matrix product per (token,
+    expert) on views of the weights (gathering them for a batched matmul copies them: measured
+    slower). Many: assignments laid out per expert in a padded ``[E, C, D]`` batch (C = most tokens
+    any expert got), every expert in one batched matmul.
+    """
+    act = packed.act
+    E = len(packed.params)
+    T, k = idx.shape
+    A = T * k
+    if A == 2 and T == 1:
+        e0, e1 = idx[0].tolist()
+        w13, w2 = packed.weights((e0, e1))
+        lo, hi = min(e0, e1), max(e0, e1)
+        pair13 = w13.as_strided((2, *w13.shape[1:]), ((hi - lo) * w13.stride(0), *w13.stride()[1:]), lo * w13.stride(0))
+        pair2 = w2.as_strided((2, *w2.shape[1:]), ((hi - lo) * w2.stride(0), *w2.stride()[1:]), lo * w2.stride(0))
+        y = torch.bmm(act.fused(torch.bmm(x.expand(2, -1).unsqueeze(1), pair13)), pair2).view(2, -1)  # rows lo, hi
+        return torch.mm(w if e0 <= e1 else w.flip(1), y)
+    flat = idx.reshape(-1)  # assignment a = (token a // k, choice a % k)
+    if 2 * A <= E:  # few: one vector-matrix product per assignment, on views of the stacked weights
+        chosen = flat.tolist()
+        w13, w2 = packed.weights(set(chosen))
+        h = torch.cat([torch.mm(x[j // k : j // k + 1], w13[e]) for j, e in enumerate(chosen)])  # [A, 2I]
+        h = act.fused(h)
+        y = torch.cat([torch.mm(h[j : j + 1], w2[e]) for j, e in enumerate(chosen)])  # [A, D]
+    else:  # (experts no token chose only see padding rows: their weights need not be current)
+        w13, w2 = packed.weights(range(E))
+        onehot = F.one_hot(flat, E)  # [A, E]
+        seen = onehot.cumsum(0)  # [A, E]: assignments to each expert so far; the last row counts them
+        C = int(seen[-1].max())
+        dest = torch.add(seen.gather(1, flat[:, None])[:, 0], flat, alpha=C).sub_(1)  # row in the [E * C] batch
+        xa = x[:, None, :].expand(T, k, x.shape[-1]).reshape(A, -1)  # [A, D]
+        xg = x.new_zeros(E * C, x.shape[-1]).index_copy_(0, dest, xa)
+        h = torch.bmm(xg.view(E, C, -1), w13)  # [E, C, 2I]
+        yg = torch.bmm(act.fused(h), w2)  # [E, C, D]
+        y = yg.view(E * C, -1).index_select(0, dest)  # [A, D]
+    return (y.view(T, k, -1) * w.unsqueeze(-1)).sum(1)
+
+
+def run_experts_loop(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
     """Σ_j w[t,j] · experts[idx[t,j]](x[t]), one gathered batch per expert (the reference path).
 
     x [T, D], idx [T, k], w [T, k] fp32 → [T, D] in x's dtype.
@@ -138,9 +296,62 @@ class SparseMoE(nn.Module):
             self.routed_expert_up_proj = nn.Linear(self.latent, hidden, bias=False)
             self.routed_expert_norm = RMSNorm(self.latent, eps=config.rms_norm_eps) if config.latent_moe_use_norm else None
         self.expert_fn = run_experts
+        self._fast = Derived()
+
+    def _fast_parts(self) -> tuple:
+        """Weights of the fast path (fp32), with the shared expert (a :class:`GLUMLP`) fused in:
+
+        * W_in = [router; latent down projection; shared gate; shared up] (one matmul of x), its split;
+        * W_out = [up projection · √latent · latent norm weight | shared down projection] (one matmul of
+          [norm(routed), act(shared)]: the up projection and the shared expert's down projection
+          summed by the matmul), the latent norm's eps (or None);
+        * the router, the experts, the shared expert's activation (None when not fused), whether to
+          call the shared expert module instead (one of another type), and whether the router's
+          correction bias is all zeros.
+        """
+
+        def sources():
+            shared = self.shared_experts if isinstance(self.shared_experts, GLUMLP) else None
+            norm = [] if self.routed_expert_norm is None else [self.routed_expert_norm.weight]
+            lins = [self.gate, self.routed_expert_down_proj, self.routed_expert_up_proj]
+            if shared is not None:
+                lins += [shared.gate_proj, shared.up_proj, shared.down_proj]
+            return [lin.weight for lin in lins] + norm + [self.gate.e_score_correction_bias]
+
+        def build():
+            shared = self.shared_experts if isinstance(self.shared_experts, GLUMLP) else None
+            norm, w_up = self.routed_expert_norm, self.routed_expert_up_proj.weight.detach().float()
+            if norm is not None:  # unit_rms_norm leaves out √latent and the weight
+                w_up = w_up * (norm.weight.detach().float() * self.latent**0.5)
+            w_in = [self.gate.weight.detach().float(), self.routed_expert_down_proj.weight.detach().float()]
+            split = [self.gate.weight.shape[0], self.latent]
+            if shared is not None:
+                s_in, s_out = shared.act.fold(shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
+                w_in.append(s_in)
+                split.append(s_in.shape[0])
+                w_up = torch.cat([w_up, s_out], dim=1)
+            return (
+                torch.cat(w_in).contiguous(), split, w_up.contiguous(), None if norm is None else norm.eps,
+                self.gate, self.experts, None if shared is None else shared.act,
+                shared is None and self.shared_experts is not None,
+                not bool(self.gate.e_score_correction_bias.any()),
+            )
+
+        return self._fast.get(sources, build)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] → [T, hidden]."""
+        if self.latent and fast_path_ok(x):
+            W_in, split, W_out, eps, gate, experts, shared_act, call_shared, zero_bias = self._fast_parts()
+            z = F.linear(x, W_in).split(split, dim=1)
+            idx, w = gate(x, z[0], zero_bias)
+            y = self.expert_fn(z[1], idx, w, experts)
+            if eps is not None:
+                y = unit_rms_norm(y, eps)
+            if shared_act is not None:
+                y = torch.cat([y, shared_act.fused(z[2])], dim=1)
+            y = F.linear(y, W_out)
+            return y.add_(self.shared_experts(x)) if call_shared else y
         idx, w = self.gate(x)
         xe = self.routed_expert_down_proj(x) if self.latent else x
         y = self.expert_fn(xe, idx, w, self.experts)

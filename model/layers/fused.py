@@ -1,0 +1,152 @@
+"""Inference fast paths: when they apply, the fused weights they use, and a few lean ops.
+
+The layers keep their general code (autograd, any dtype, any token count) and add a fast path for
+inference in fp32: several small linears of one input fused into one matmul, routed experts as
+batched matmuls over stacked weights, Attention-Residual block terms computed once per block, and
+fewer, in-place elementwise ops. Same math; only float rounding order differs
+(``tests/model/test_decode_fast_path.py`` holds every fast path to its general path).
+
+The fused weights are *derived* from the parameters, never parameters themselves (the module
+tree, ``state_dict`` and checkpoints are unchanged). A :class:`Derived` rebuilds them whenever a
+source changed: written in place (its version counter moves: optimiser steps, ``load_state_dict``,
+``copy_`` under ``no_grad``), given new storage (``p.data = ...``, ``module.to``), or replaced as a
+parameter or module (``setattr``, ``load_state_dict(assign=True)``: any registration anywhere
+bumps a generation counter, and the sources are looked up again). It keeps its sources' storages
+alive, so a freed address cannot come back under a stale entry. Looking the sources up only when
+the generation moves matters: ``module.sub.weight`` costs about a microsecond of ``nn.Module``
+attribute lookup, and a decode step reads hundreds of weights.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.nn.modules import module as _module
+
+_data_ptr = torch.Tensor.data_ptr
+_version = operator.attrgetter("_version")
+
+# Set False to force every layer onto its general path (tests compare the two).
+ENABLED = True
+
+_generation = [0]
+
+
+def _registered(*args) -> None:
+    _generation[0] += 1
+
+
+_module.register_module_parameter_registration_hook(_registered)
+_module.register_module_module_registration_hook(_registered)
+
+
+def generation() -> int:
+    """Bumped by every module or parameter registration anywhere (derived weights look their sources up again)."""
+    return _generation[0]
+
+
+def building():
+    """Context for computing derived weights: no autograd, and ordinary tensors even inside
+    ``inference_mode`` (so that they can be refreshed in place outside it too)."""
+    return _Building()
+
+
+class _Building:
+    def __enter__(self):
+        self._modes = (torch.inference_mode(False), torch.no_grad())
+        for m in self._modes:
+            m.__enter__()
+
+    def __exit__(self, *exc):
+        for m in reversed(self._modes):
+            m.__exit__(*exc)
+
+
+def fast_path_ok(x: torch.Tensor) -> bool:
+    """The fast paths run without autograd, on fp32 CPU activations, when enabled."""
+    return ENABLED and x.dtype == torch.float32 and not torch.is_grad_enabled() and x.device.type == "cpu"
+
+
+class Derived:
+    """A value computed from some tensors (e.g. a concatenation of weights), recomputed when any changes.
+
+    ``get(sources, build)``: ``sources()`` lists the tensors (called again only after a parameter or
+    module registration anywhere); ``build()`` computes the value (in :func:`building`)."""
+
+    __slots__ = ("_gen", "_sources", "_key", "_value", "_refs")
+
+    def __init__(self) -> None:
+        self._gen = -1
+        self._sources: list[torch.Tensor] = []
+        self._key = None
+        self._value = None
+        self._refs: list[torch.Tensor] = []
+
+    def get(self, sources: Callable[[], Sequence[torch.Tensor]], build: Callable[[], Any]) -> Any:
+        if self._gen != _generation[0]:
+            self._sources, self._gen, self._key = list(sources()), _generation[0], None
+        src = self._sources
+        key = (tuple(map(_data_ptr, src)), tuple(map(_version, src)))
+        if key != self._key:
+            with building():
+                value = build()
+            self._refs = [s.detach() for s in src]  # pins the storages the key's addresses name
+            self._key, self._value = key, value
+        return self._value
+
+
+def structure(owner: object, name: str, build: Callable[[], Any]) -> Any:
+    """``build()`` (submodules, parameters, sizes: no values) cached in ``owner.__dict__[name]`` until
+    the next parameter or module registration anywhere."""
+    entry = owner.__dict__.get(name)
+    if entry is None or entry[0] != _generation[0]:
+        entry = owner.__dict__[name] = (_generation[0], build())
+    return entry[1]
+
+
+def cat_rows(weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[out_1 + out_2 + ..., in] fp32, contiguous: one matmul for several linears of one input."""
+    return torch.cat([w.detach().float() for w in weights], dim=0).contiguous()
+
+
+def slot_range(slots: tuple[int, ...]) -> int | None:
+    """First slot when ``slots`` are consecutive ascending (a, a+1, ...), so pool rows are a plain slice."""
+    a = slots[0]
+    return a if slots == tuple(range(a, a + len(slots))) else None
+
+
+_SCALARS: dict[float, torch.Tensor] = {}
+
+
+def scalar(value: float) -> torch.Tensor:
+    """A cached 0-dim fp32 tensor: in-place ops with a Python float wrap it into a tensor every call."""
+    t = _SCALARS.get(value)
+    if t is None:
+        t = _SCALARS[value] = torch.tensor(value, dtype=torch.float32)
+    return t
+
+
+def rms_denom(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """sqrt(Σx² + D·eps) [..., 1] over the last dim D of fp32 ``x``, in two kernels (a norm and a
+    hypot): RMSNorm(x) = x · rsqrt(mean(x²) + eps) = √D · x / rms_denom(x, eps)."""
+    return torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), scalar(math.sqrt(x.shape[-1] * eps)))
+
+
+def unit_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(x) / √D without weight (callers fold √D and the norm's weight into what follows)."""
+    return torch.div(x, rms_denom(x, eps))
+
+
+def rms_norm(x: torch.Tensor, scaled_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:class:`~model.layers.norms.RMSNorm` for fp32 ``x``, given ``scaled_weight`` = √D · weight
+    (:func:`scaled_norm_weight`): same formula, three kernels plus the norm."""
+    return torch.div(x, rms_denom(x, eps)).mul_(scaled_weight)
+
+
+def scaled_norm_weight(weight: torch.Tensor) -> torch.Tensor:
+    """√D · weight in fp32, for :func:`rms_norm`."""
+    return weight.detach().float() * math.sqrt(weight.shape[-1])

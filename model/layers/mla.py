@@ -81,6 +81,11 @@ class MLAttention(nn.Module):
         else:
             outs = []
             for slot, start, (a, b) in zip(layout.slots, layout.starts, layout.spans):
+                if start and fast_path_ok(x) and self._absorbed_is_cheaper(b - a):
+                    # a short chunk after a long context (a resumed turn): attend in latent space,
+                    # reading the cached latents in place instead of expanding keys and values for all of them
+                    outs.append(self._attend_latent(q[a:b], buffers[slot][: start + b - a], start))
+                    continue
                 ctx = c[a:b] if start == 0 else torch.cat([buffers[slot][:start].to(c.dtype), c[a:b]])
                 outs.append(self._attend(q[a:b][None], ctx[None], start)[0])
             o = torch.cat(outs)
@@ -101,6 +106,25 @@ class MLAttention(nn.Module):
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=self.scale
         )
         return o.transpose(1, 2)  # [B, L, H, v]
+
+    def _absorbed_is_cheaper(self, chunk: int) -> bool:
+        """Per context token: expanding costs rank·H·(nope+v) + chunk·H·(nope+rope+v) multiply-adds,
+        attending in latent space chunk·H·(2·rank+rope)."""
+        H = self.num_heads
+        expand = self.rank * H * (self.nope + self.v_dim) + chunk * H * (self.nope + self.rope + self.v_dim)
+        return chunk * H * (2 * self.rank + self.rope) < expand
+
+    def _attend_latent(self, q: torch.Tensor, ctx: torch.Tensor, start: int) -> torch.Tensor:
+        """:meth:`_attend` for one sequence with W_uk absorbed into the queries and W_uv into the
+        output: q [L, H, nope+rope] at positions start..start+L-1, ctx [S, rank+rope] → [L, H, v]."""
+        L, S, R = q.shape[0], ctx.shape[0], self.rank
+        w_uk, w_uv_t = self._fast_weights()[-2:]  # [H, nope, rank] (scale folded in), [H, rank, v]
+        q_lat = torch.bmm(q[..., : self.nope].transpose(0, 1), w_uk)  # [H, L, rank]
+        q_full = torch.cat([q_lat, q[..., self.nope :].transpose(0, 1) * self.scale], dim=-1)  # [H, L, rank+rope]
+        scores = q_full @ ctx.t().to(q.dtype)  # [H, L, S]
+        causal = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(diagonal=start)
+        probs = torch.softmax(scores.masked_fill_(~causal, float("-inf")), dim=-1)
+        return torch.bmm(probs @ ctx[:, :R].to(q.dtype), w_uv_t).transpose(0, 1)  # [L, H, v]
 
     # -- decode fast path ---------------------------------------------------------------------
     def _fast_weights(self) -> tuple:

@@ -240,3 +240,20 @@ def test_training_path_keeps_autograd_and_fast_path_sees_the_update():
     after = _decode_logits(model, ids[0].tolist()[:12], 5)
     assert rel_rms(after, before) > 1e-3  # the step changed the model and the fast path sees it
     assert rel_rms(after, _general_logits(model, ids[0].tolist()[:12], 5)) <= TOL
+
+
+@pytest.mark.parametrize("chunk,start", [(1, 40), (17, 100), (64, 300)])
+def test_latent_space_chunk_attention_equals_expanded_attention(chunk, start):
+    """A chunk after a cached context (a resumed turn) may attend in latent space: same result."""
+    from model.layers.mla import MLAttention
+
+    model = load_model("k3-tiny")
+    attn = next(m for m in model.modules() if isinstance(m, MLAttention))
+    g = torch.Generator().manual_seed(chunk)
+    q = torch.randn(chunk, attn.num_heads, attn.nope + attn.rope, generator=g)
+    ctx = torch.randn(start + chunk, attn.rank + attn.rope, generator=g)
+    with torch.no_grad():
+        want = attn._attend(q[None], ctx[None], start)[0]
+        got = attn._attend_latent(q, ctx, start)
+    assert rel_rms(got, want) < 1e-5
+    assert attn._absorbed_is_cheaper(1) and not attn._absorbed_is_cheaper(4096)

@@ -14,8 +14,8 @@ so ``d = u - w @ S0`` with ``u = T V``, ``w = T (K * exp(G))`` and ``T = (I + L)
 
 Decay factors ``exp(G_t - G_s)`` are formed either as differences ``<= 0`` or, where the decay is mild
 enough, as matmul-friendly products of factors bounded by ``exp(+-MAX_EXPONENT)`` (see
-:func:`_decayed_scores`), so nothing overflows however strong the decay; results below
-``exp(MIN_EXPONENT)`` are flushed to 0.
+:func:`_chunk_scores`, with :func:`_decayed_scores` as the pairwise fallback), so nothing overflows
+however strong the decay; results below ``exp(MIN_EXPONENT)`` are flushed to 0.
 """
 
 import math
@@ -38,16 +38,24 @@ SUB_CHUNK = 16
 # and their backward terms stay finite in fp32. With 80, exp(-x)**2 underflowed in the backward
 # of b / exp(x) and training hit NaN gradients on strongly decaying gates.
 MAX_EXPONENT = 30.0
+# Without autograd there is no backward to protect: a chunk factored as one block (no cross-block
+# factors, see _chunk_scores) may use factors up to exp(+-60), still normal fp32 numbers, so in-chunk
+# products keep full precision. Masked-out products may then overflow; tril drops them before any use.
+MAX_EXPONENT_NO_GRAD = 60.0
 MIN_EXPONENT = -80.0
 
+Bounds = list[tuple[int, int]] | None  # (bos, eos) of packed sequences, or None for equal-length rows
 
-def _exp(x: torch.Tensor) -> torch.Tensor:
-    """``exp(x)`` for ``x <= 0``, flushing results below ``exp(MIN_EXPONENT)`` to 0.
+
+def _exp(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """``exp(x)`` for ``x <= 0``, flushing results below ``exp(MIN_EXPONENT)`` to 0 (in place into ``x`` if asked).
 
     Denormal floats are orders of magnitude slower on CPUs, and values this small cannot affect
     fp32 results.
     """
-    return torch.where(x >= MIN_EXPONENT, x, -math.inf).exp()
+    if inplace:
+        return torch.nn.functional.threshold_(x, MIN_EXPONENT, -math.inf).exp_()
+    return torch.nn.functional.threshold(x, MIN_EXPONENT, -math.inf).exp()
 
 
 def _mid_offsets(gc: torch.Tensor, bc: int) -> tuple[torch.Tensor, bool]:
@@ -118,21 +126,208 @@ def _decayed_scores(a_list: tuple[torch.Tensor, ...], b: torch.Tensor, gc: torch
     return [torch.cat(out, -2) for out in rows]
 
 
-def _to_chunks(x: torch.Tensor, bounds: list[tuple[int, int]] | None, NT: int, C: int) -> torch.Tensor:
-    """``[B, T, H, ...]`` -> contiguous fp32 ``[N, H, NT, C, ...]``, each sequence zero-padded to ``NT * C`` steps.
+def _block_sizes(C: int) -> list[int]:
+    """Sub-chunk sizes to try for a chunk of ``C`` steps, largest first: ``C``, halvings, then ``SUB_CHUNK``."""
+    sizes = [C]
+    while sizes[-1] > SUB_CHUNK and sizes[-1] % (2 * SUB_CHUNK) == 0:
+        sizes.append(sizes[-1] // 2)
+    if sizes[-1] > SUB_CHUNK and C % SUB_CHUNK == 0:
+        sizes.append(SUB_CHUNK)
+    return sizes
+
+
+def _chunk_scores(
+    kb: torch.Tensor, q: torch.Tensor, k: torch.Tensor, gc: torch.Tensor, grad: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decayed in-chunk scores ``A_kk`` (rows ``kb``) and ``A_qk`` (rows ``q``) against keys ``k``.
+
+    Args:
+        kb, q, k, gc: ``[..., C, K]``; ``gc`` is the within-chunk cumulative log decay.
+        grad: autograd is recording. Otherwise a single-block factorization may use factors up to
+            ``exp(+-MAX_EXPONENT_NO_GRAD)``, and the work is done in place where possible.
+
+    Returns:
+        ``(A_kk, A_qk)``, each ``[..., C, C]`` with ``A[t, s] = sum_i a[t, i] k[s, i] exp(gc[t, i] - gc[s, i])``
+        for ``s < t`` (``A_kk``) or ``s <= t`` (``A_qk``), and 0 elsewhere.
+
+    The chunk is split into the largest blocks of ``bc`` steps (``C`` itself if possible, at least
+    ``SUB_CHUNK``) within which every step's log decay relative to the block's middle step, ``x``, has
+    ``|x| <= MAX_EXPONENT`` (``MAX_EXPONENT_NO_GRAD`` for a single block without autograd). With ``p_j``
+    that middle step of block ``j``, row block ``n`` is ``a_t * exp(x_t)`` and key ``s`` of block ``j`` is
+    seen from row block ``n`` as ``(k_s * exp(-x_s)) * exp(min(p_n - p_j, 0))``, which is
+    ``k_s * exp(p_n - gc_s)`` (<= ``k_s``) for ``j < n``. Every factor stays within ``exp(+-MAX_EXPONENT)``
+    (under autograd always ``b * exp(-x)``, never ``b / exp(x)``), and all blocks of all chunks take one
+    batched matmul per row operand. When even ``SUB_CHUNK`` steps decay too strongly for that,
+    :func:`_decayed_scores` (pairwise within sub-chunks) takes over.
+    """
+    C = gc.shape[-2]
+    sizes = _block_sizes(C)
+    for i_s, bc in enumerate(sizes):
+        nb = C // bc
+        # Cross-block factors exp(p_n - p_j) are flushed below exp(MIN_EXPONENT): only factors within
+        # exp(+-MAX_EXPONENT) keep the error of that flush below exp(MIN_EXPONENT + 2 * MAX_EXPONENT).
+        limit = MAX_EXPONENT if grad or nb > 1 else MAX_EXPONENT_NO_GRAD
+        mid = slice(bc // 2, bc // 2 + 1)
+        g_blk = gc.unflatten(-2, (nb, bc))
+        p = g_blk[..., mid, :]
+        if i_s < len(sizes) - 1:
+            # Cheap screen through the block ends (exact when gc is monotone) before the full check.
+            ends = torch.cat([g_blk[..., :1, :] - p, p - g_blk[..., -1:, :]], -2)
+            if ends.detach().amax().item() > limit:
+                continue
+        x = g_blk - p
+        lo, hi = x.detach().aminmax()
+        if max(-lo.item(), hi.item()) <= limit:
+            break
+    else:
+        A_kk, A_qk = _decayed_scores((kb, q), k, gc)
+        return A_kk.tril(-1), A_qk
+    k_blk, kb_blk, q_blk = (t.unflatten(-2, (nb, bc)) for t in (k, kb, q))
+    if grad:
+        e_x = x.exp()
+        col = k_blk * torch.exp(-x)
+    else:
+        e_x = x.exp_()
+        col = k_blk / e_x
+    col = col.unsqueeze(-4)
+    if nb > 1:
+        col = col * _exp((p.unsqueeze(-3) - p.unsqueeze(-4)).clamp(max=0))
+    col = col.flatten(-3, -2).flatten(0, -3).transpose(-1, -2)
+
+    def scores(rows: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(rows.flatten(0, -3), col).view(*gc.shape[:-1], C)
+
+    A_kk = scores(kb_blk * e_x).tril_(-1)
+    A_qk = scores(q_blk * e_x if grad else e_x.mul_(q_blk)).tril_()
+    return A_kk, A_qk
+
+
+def _chunk_view(x: torch.Tensor, bounds: Bounds, NT: int, C: int) -> torch.Tensor:
+    """``[B, T, H, ...]`` -> chunk-major view ``[NT, N, H, C, ...]``, each sequence zero-padded to ``NT * C``
+    steps (a copy only where padding or unpacking is needed).
 
     ``bounds`` lists the ``(bos, eos)`` of packed sequences (B == 1), or is None for equal-length rows.
     """
     B, T, H = x.shape[:3]
-    out = x.new_empty(B if bounds is None else len(bounds), H, NT * C, *x.shape[3:], dtype=torch.float)
-    if bounds is None:
-        out[:, :, :T] = x.transpose(1, 2)
-        out[:, :, T:] = 0
-    else:
+    rest = x.shape[3:]
+    if bounds is not None:
+        padded = x.new_zeros(len(bounds), NT * C, H, *rest)
         for i_n, (bos, eos) in enumerate(bounds):
-            out[i_n, :, : eos - bos] = x[0, bos:eos].transpose(0, 1)
-            out[i_n, :, eos - bos :] = 0
-    return out.unflatten(2, (NT, C))
+            padded[i_n, : eos - bos] = x[0, bos:eos]
+        x = padded
+    elif T < NT * C:
+        x = torch.cat([x, x.new_zeros(B, NT * C - T, H, *rest)], 1)
+    return x.unflatten(1, (NT, C)).permute(1, 0, 3, 2, *range(4, x.dim() + 1))
+
+
+def _to_chunks(x: torch.Tensor, bounds: Bounds, NT: int, C: int) -> torch.Tensor:
+    """``[B, T, H, ...]`` -> a fresh contiguous fp32 ``[NT, N * H, C, ...]`` (see :func:`_chunk_view`)."""
+    x = _chunk_view(x, bounds, NT, C)
+    return torch.empty(x.shape, dtype=torch.float, device=x.device).copy_(x).flatten(1, 2)
+
+
+def _chunks_autograd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    S: torch.Tensor,
+    bounds: Bounds,
+    NT: int,
+    C: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable chunked forward: q, k, v, g, beta as given to :func:`chunk_kda_torch`, ``S`` the fp32
+    initial state ``[N * H, K, V]``. Returns ``o`` ``[NT, N * H, C, V]`` and the final state ``[N * H, K, V]``."""
+    V = v.shape[-1]
+    q, k, v, g, beta = (_to_chunks(x, bounds, NT, C) for x in (q, k, v, g, beta))
+    beta = beta[..., None]
+    gc = g.cumsum(-2)
+    kb = k * beta
+    A_kk, A_qk = _chunk_scores(kb, q, k, gc, grad=True)
+    k_d = (k * _exp(gc[..., -1:, :] - gc)).transpose(-1, -2)
+    e_g = _exp(gc)
+    decay = e_g[..., -1:, :].transpose(-1, -2)
+    # [u, w] = (I + L)^-1 [beta V, beta K exp(G)], solved in transposed form (faster: no layout copies inside).
+    rhs = torch.cat([v * beta, kb * e_g], -1)
+    uw = torch.linalg.solve_triangular(
+        A_kk.transpose(-1, -2), rhs.transpose(-1, -2), upper=True, left=False, unitriangular=True
+    ).transpose(-1, -2)
+    u, w = uw[..., :V], uw[..., V:]
+    states, deltas = [], []
+    for i_t in range(NT):
+        d = torch.baddbmm(u[i_t], w[i_t], S, alpha=-1)
+        states.append(S)
+        deltas.append(d)
+        S = torch.baddbmm(decay[i_t] * S, k_d[i_t], d)
+    S0, D = torch.stack(states).flatten(0, 1), torch.stack(deltas).flatten(0, 1)
+    o = torch.baddbmm(A_qk.flatten(0, 1) @ D, (q * e_g).flatten(0, 1), S0, beta=scale, alpha=scale)
+    return o.unflatten(0, (NT, -1)), S
+
+
+# Without autograd, chunks are processed in slabs of about this many floats per [chunks, heads, C, K]
+# tensor: the temporaries of a slab stay in cache and are recycled by the next slab, where whole-sequence
+# buffers would cost a page fault per fresh 4 KiB (as much time as the arithmetic on them).
+SLAB_ELEMS = 1 << 18
+
+
+@torch.no_grad()
+def _chunks_no_grad(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    S: torch.Tensor,
+    bounds: Bounds,
+    NT: int,
+    C: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`_chunks_autograd` without autograd: the same math, slab by slab along time and in place
+    where possible. Writes ``o`` into ``out`` (``[N, NT * C, H, V]`` fp32) and returns the final state."""
+    N, H, V = out.shape[0], out.shape[2], out.shape[3]
+    K = q.shape[-1]
+    views = [_chunk_view(x, bounds, NT, C) for x in (q, k, v, g, beta)]
+    o_view = out.unflatten(1, (NT, C)).permute(1, 0, 3, 2, 4)
+    step = max(1, SLAB_ELEMS // (N * H * C * max(K, V)))
+    for t0 in range(0, NT, step):
+        sl = slice(t0, min(NT, t0 + step))
+        nt = sl.stop - sl.start
+        q, k, g, beta = (
+            torch.empty(x[sl].shape, dtype=torch.float, device=x.device).copy_(x[sl]).flatten(1, 2)
+            for x in (views[0], views[1], views[3], views[4])
+        )
+        beta = beta[..., None]
+        gc = g.cumsum_(-2)
+        kb = k * beta
+        A_kk, A_qk = _chunk_scores(kb, q, k, gc, grad=False)
+        k_d = _exp(gc[..., -1:, :] - gc, inplace=True).mul_(k).transpose(-1, -2)
+        e_g = _exp(gc, inplace=True)
+        decay = e_g[..., -1:, :].transpose(-1, -2).clone()
+        w, qe = kb.mul_(e_g), q.mul_(e_g)
+        del e_g, gc, g, k, kb, q
+        u = w.new_empty(*w.shape[:-1], V)
+        torch.mul(views[2][sl], beta.unflatten(1, (N, H)), out=u.unflatten(1, (N, H)))
+        # u = (I + L)^-1 beta V and w = (I + L)^-1 beta K exp(G), in place (row-major right-hand sides).
+        for x in (u, w):
+            torch.linalg.solve_triangular(A_kk, x, upper=False, unitriangular=True, out=x)
+        del A_kk
+        # The deltas d = u - w S overwrite u; the states go to one buffer.
+        D = u
+        S0 = w.new_empty(nt + 1, *S.shape)
+        S0[0] = S
+        for i_t in range(nt):
+            D[i_t].baddbmm_(w[i_t], S0[i_t], alpha=-1)
+            torch.mul(S0[i_t], decay[i_t], out=S0[i_t + 1]).baddbmm_(k_d[i_t], D[i_t])
+        S = S0[nt].clone()
+        o = torch.bmm(A_qk.flatten(0, 1), D.flatten(0, 1))
+        o = o.baddbmm_(qe.flatten(0, 1), S0[:nt].flatten(0, 1), beta=scale, alpha=scale)
+        o_view[sl].copy_(o.view(nt, N, H, C, V))
+        del w, k_d, D, u, S0, o, qe, A_qk
+    return S
 
 
 def chunk_kda_torch(
@@ -152,7 +347,10 @@ def chunk_kda_torch(
     Shapes as in :func:`chunk_kda`. Sequences are zero-padded to a common multiple of ``chunk_size``;
     padded steps have ``k = 0, g = 0, beta = 0`` and so leave the state untouched. Only the chunk-to-chunk
     state passing (``d = u - w S``, ``S <- exp(G_C) S + (K * exp(G_C - G))^T d``) is sequential;
-    everything else is batched over all chunks.
+    everything else is batched over all chunks of all sequences and heads, laid out chunk-major
+    ``[NT, N * H, C, ...]`` so that each step of that loop reads and writes contiguous blocks. Under
+    autograd this is :func:`_chunks_autograd`; otherwise :func:`_chunks_no_grad` does the same in place,
+    slab by slab.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -164,36 +362,21 @@ def chunk_kda_torch(
         S = q.new_zeros(N, H, K, V, dtype=torch.float) if initial_state is None else initial_state.float().clone()
         return q.new_zeros(B, T, H, V, dtype=torch.float), (S if output_final_state else None)
 
-    q, k, v, g = (_to_chunks(x, bounds, NT, C) for x in (q, k, v, g))
-    beta = _to_chunks(beta, bounds, NT, C)[..., None]
-    q = q * scale
-    gc = g.cumsum(-2)
-    g_last = gc[..., -1:, :]
-    e_g = _exp(gc)
-
-    A_kk, A_qk = _decayed_scores((k, q), k, gc)
-    L = (beta * A_kk).tril(-1)
-    u, w = (torch.linalg.solve_triangular(L, beta * x, upper=False, unitriangular=True) for x in (v, k * e_g))
-
-    k_d = (k * _exp(g_last - gc)).transpose(-1, -2).flatten(0, 1)
-    decay = _exp(g_last).transpose(-1, -2).flatten(0, 1)
-    u, w = u.flatten(0, 1), w.flatten(0, 1)
-    S = q.new_zeros(N * H, K, V) if initial_state is None else initial_state.float().reshape(N * H, K, V)
-    states, deltas = [], []
-    for i_t in range(NT):
-        d = torch.baddbmm(u[:, i_t], w[:, i_t], S, alpha=-1)
-        states.append(S)
-        deltas.append(d)
-        S = torch.baddbmm(decay[:, i_t] * S, k_d[:, i_t], d)
-    S = S.unflatten(0, (N, H))
-    S0 = torch.stack(states, 1).unflatten(0, (N, H))
-    D = torch.stack(deltas, 1).unflatten(0, (N, H))
-    o = ((q * e_g) @ S0 + A_qk @ D).flatten(2, 3).transpose(1, 2)
+    if initial_state is None:
+        S = q.new_zeros(N * H, K, V, dtype=torch.float)
+    else:
+        S = initial_state.float().reshape(N * H, K, V)
+    if needs_grad(q, k, v, g, beta, initial_state):
+        o, S = _chunks_autograd(q, k, v, g, beta, scale, S, bounds, NT, C)
+        o = o.view(NT, N, H, C, V).permute(1, 0, 3, 2, 4).reshape(N, NT * C, H, V)
+    else:
+        o = q.new_empty(N, NT * C, H, V, dtype=torch.float)
+        S = _chunks_no_grad(q, k, v, g, beta, scale, S, bounds, NT, C, o)
     if bounds is None:
         o = o[:, :T]
     else:
         o = torch.cat([o[i_n, : eos - bos] for i_n, (bos, eos) in enumerate(bounds)])[None]
-    return o, (S if output_final_state else None)
+    return o, (S.view(N, H, K, V) if output_final_state else None)
 
 
 def chunk_kda(

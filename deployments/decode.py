@@ -18,9 +18,9 @@ from model.runner import ModelRunner
 from model.state import SequenceState
 
 from . import tracing
+from .api import HandoffLost
 from .config import PlatformConfig
 from .expert_pool import attach_expert_pool
-from .api import HandoffLost
 from .messages import DecodeChunk, DecodeRequest
 from .replica import cache_key, load_replica_model, make_cache, replica_id
 

@@ -88,6 +88,16 @@ class Frontend:
         return [ModelCard(id=m, pool=p) for m, p in self.model_ids().items()]
 
     # -- completions ---------------------------------------------------------------
+    def system_prompt_end(self, inp: CompletionInput, ids: list[int]) -> tuple[int, ...]:
+        """Token position where the leading system message(s) end, when more follows: sessions of
+        one tenant that share a system prompt then share a cache checkpoint there."""
+        msgs = inp.messages or ()
+        k = next((i for i, m in enumerate(msgs) if m.role != "system"), 0)
+        if k == 0:
+            return ()
+        head = self.tokenizer.encode(apply_chat_template([(m.role, m.content) for m in msgs[:k]], add_generation_prompt=False))
+        return (len(head),) if 0 < len(head) < len(ids) and ids[: len(head)] == head else ()
+
     def _validate(self, inp: CompletionInput, tenant) -> tuple[list[int], SamplingParams, tuple[int, ...]]:
         if inp.max_tokens is None or inp.max_tokens < 1:
             raise BadRequest(f"max_tokens must be >= 1, got {inp.max_tokens}", param="max_tokens")
@@ -143,12 +153,14 @@ class Frontend:
             carrier = tracing.carrier_of(span)
             n_out, t_first, replica, reason, cached = 0, None, "", "length", None
             emitted: list[int] = []  # output tokens the client has
+            checkpoint_at = self.system_prompt_end(inp, ids)
             failures = 0
             try:
                 while True:
                     preq = PrefillRequest(request_id, tuple(ids), inp.max_tokens, params, tuple(inp.stop), stop_ids,
                                           inp.ignore_eos, tenant.name, pool, carrier, cache_salt=tenant.cache_salt,
-                                          client_salt=inp.cache_salt, session_id=inp.session_id, replay_ids=tuple(emitted))
+                                          client_salt=inp.cache_salt, session_id=inp.session_id, replay_ids=tuple(emitted),
+                                          checkpoint_at=checkpoint_at)
                     try:
                         result = await self.backend.prefill(pool, preq)
                         cached = result.cached_tokens if cached is None else cached

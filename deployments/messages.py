@@ -23,6 +23,7 @@ class PrefillRequest:
     client_salt: str | None = None  # a client's own salt: narrows the tenant's cache namespace
     session_id: str | None = None
     replay_ids: tuple[int, ...] = ()  # output tokens a failed decode replica already delivered
+    checkpoint_at: tuple[int, ...] = ()  # extra cache checkpoint positions (the end of a shared system prompt)
 
 
 @dataclass(frozen=True, slots=True)

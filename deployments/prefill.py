@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from dataclasses import replace
 
 from deployments.engine import AsyncEngine, CheckpointPlan, Engine, EngineConfig, GenerationRequest
 from model.runner import ModelRunner
@@ -66,7 +67,7 @@ class Prefill:
             text, last = "", None
             outs = self.async_engine.generate(greq, keep_state_on_finish=True, replay_ids=req.replay_ids,
                                               cached_prefix=hit.state if hit else None,
-                                              checkpoint_plan=self.plan if recorder else None)
+                                              checkpoint_plan=replace(self.plan, extra=req.checkpoint_at) if recorder else None)
             async with contextlib.aclosing(outs) as outs:
                 async for out in outs:
                     text += out.new_text

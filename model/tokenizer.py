@@ -96,8 +96,9 @@ def load_tokenizer_from(path: Path) -> Tokenizer:
     return ByteTokenizer()
 
 
-def apply_chat_template(messages: list[tuple[str, str]]) -> str:
+def apply_chat_template(messages: list[tuple[str, str]], *, add_generation_prompt: bool = True) -> str:
     """ChatML-style template of the tiny models: each turn framed by <|im_start|>role … <|im_end|>,
-    ending with an open assistant turn."""
+    ending with an open assistant turn (``add_generation_prompt``). The text of the first k
+    messages is a prefix of the text of all of them."""
     turns = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in messages)
-    return turns + "<|im_start|>assistant\n"
+    return turns + ("<|im_start|>assistant\n" if add_generation_prompt else "")

@@ -61,19 +61,23 @@ class CheckpointPlan:
     MLA latents are cut into blocks of ``block_size`` tokens as they are computed. A KDA
     state is only valid at an exact position, so it is snapshotted at block boundaries:
     every ``every_blocks`` blocks, at the last full block of the tokens known when the
-    request starts (its prompt), and, while decoding, at every boundary, the latest held
-    back and reported when the sequence finishes (the last full block of the turn).
-    Prefill chunks are cut so they end on those positions.
+    request starts (its prompt), at the blocks ending before each ``extra`` position, and,
+    while decoding, at every boundary, the latest held back and reported when the sequence
+    finishes (the last full block of the turn). Prefill chunks are cut so they end on those
+    positions.
     """
 
     block_size: int = 32
     every_blocks: int = 8
+    extra: tuple[int, ...] = ()  # more positions to checkpoint at (rounded down to a block), e.g. the end of a shared system prompt
 
     def __post_init__(self) -> None:
         for name in ("block_size", "every_blocks"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if any(not isinstance(p, int) or p < 0 for p in self.extra):
+            raise ValueError(f"extra checkpoint positions must be non-negative integers, got {self.extra!r}")
 
     @property
     def interval(self) -> int:
@@ -253,8 +257,9 @@ class Sequence:
         p = self.num_computed
         nxt = (p // plan.interval + 1) * plan.interval
         last_full = self.num_known_at_start // plan.block_size * plan.block_size
-        if p < last_full:
-            nxt = min(nxt, last_full)
+        for stop in (last_full, *(e // plan.block_size * plan.block_size for e in plan.extra)):
+            if p < stop <= last_full:
+                nxt = min(nxt, stop)
         return max(1, nxt - p)
 
     @property

@@ -163,3 +163,12 @@ def test_coalesced_stream_of_a_slow_consumer_equals_the_plain_stream(model, tok)
     assert [t for o in merged for t in o.new_token_ids] == [t for o in plain for t in o.new_token_ids]
     assert "".join(o.new_text for o in merged) == "".join(o.new_text for o in plain)
     assert merged[-1].finished and merged[-1].num_output_tokens == 24 and all(not o.finished for o in merged[:-1])
+
+
+def test_extra_checkpoint_positions_cut_a_kda_checkpoint_there(model, tok):
+    prompt = ids(45, 10)
+    plan = CheckpointPlan(block_size=8, every_blocks=100, extra=(21,))  # e.g. a system prompt ending at token 21
+    outs = run_one(engine_for(model, tok), GenerationRequest("e", prompt, 1, ignore_eos=True), checkpoint_plan=plan)
+    assert [c.position for o in outs for c in o.checkpoints if c.kda is not None] == [16, 40]
+    with pytest.raises(ValueError, match="extra checkpoint positions"):
+        CheckpointPlan(extra=(-1,))

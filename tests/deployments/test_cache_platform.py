@@ -106,7 +106,8 @@ def assert_greedy(ref_model, messages, text: str, max_tokens: int, label: str) -
 
 
 def conversation(topic: str) -> list[dict]:
-    return [{"role": "system", "content": "You are a careful Python programmer."},
+    """A chat whose system prompt is its own (a shared one is cached at its end: see test_shared_system_prompt)."""
+    return [{"role": "system", "content": f"You are a careful Python programmer working on {topic}."},
             {"role": "user", "content": f"Write a small module about {topic}. Keep it short and add docstrings. " * 2}]
 
 
@@ -118,6 +119,16 @@ def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
             return value
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def settle(value, quiet_s: float = 1.0, timeout_s: float = 30.0) -> None:
+    """Wait until ``value()`` has not changed for ``quiet_s``."""
+    last, since, deadline = value(), time.time(), time.time() + timeout_s
+    while time.time() - since < quiet_s and time.time() < deadline:
+        time.sleep(0.1)
+        now = value()
+        if now != last:
+            last, since = now, time.time()
 
 
 def tenant_keys(store: RedisStore, tenant: str, kind: str) -> set[str]:
@@ -246,7 +257,7 @@ def test_corrupt_entries_are_detected_discarded_and_counted(platform, ref_model)
     msgs = conversation("checksums")
     text_cold, _, _ = chat(platform, "a", msgs, key="bob")
     wait_for(lambda: tenant_keys(store, "bob", "kda"), what="checkpoints")
-    time.sleep(0.5)
+    settle(lambda: len(store.scan("ds:v1:t:bob:*")))  # every write of that request has landed
     flipped = 0
     for kind in ("kda", "mla"):
         for h in tenant_keys(store, "bob", kind):
@@ -260,8 +271,8 @@ def test_corrupt_entries_are_detected_discarded_and_counted(platform, ref_model)
     text, usage, _ = chat(platform, "b", msgs, key="bob")
     assert text == text_cold
     assert usage.prompt_tokens_details.cached_tokens == 0  # every candidate was corrupt
-    after = serve.get_deployment_handle("prefill-standard", app_name="b").cache_stats.remote().result()["corrupt"]
-    assert after > before
+    after = serve.get_deployment_handle("prefill-standard", app_name="b").cache_stats.remote().result()
+    assert after.get("corrupt", 0) > before, after
     assert_greedy(ref_model, msgs, text, 24, "corrupt")
 
 
@@ -315,3 +326,15 @@ def test_grpc_session_metadata_and_cache_salt(platform):
     salted = stub.Generate(pb.GenerateRequest(model="k3", prompt=prompt, max_tokens=8, temperature=0, cache_salt="mine"),
                            metadata=meta, timeout=60)
     assert salted.usage.cached_tokens == 0 and salted.text == first.text  # a client salt narrows: nothing shared
+
+
+def test_shared_system_prompt_is_cached_for_a_new_session(platform):
+    system = {"role": "system", "content": "You review Python code for a bank. Be strict, short and precise. " * 3}
+    first = [system, {"role": "user", "content": "Review: def add(a, b): return a + b"}]
+    other = [system, {"role": "user", "content": "Review: class Account: pass"}]
+    _, u1, _ = chat(platform, "a", first, session="sys-1")
+    assert u1.prompt_tokens_details.cached_tokens == 0
+    wait_for(lambda: platform["store"].hgetall(session_key_of("alice", "sys-1")), what="the first session's checkpoints")
+    _, u2, _ = chat(platform, "b", other, session="sys-2")  # another session, another replica
+    system_tokens = len(load_tokenizer(MODEL).encode(apply_chat_template([("system", system["content"])], add_generation_prompt=False)))
+    assert u2.prompt_tokens_details.cached_tokens == system_tokens // BLOCK * BLOCK > 0

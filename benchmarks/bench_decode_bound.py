@@ -309,19 +309,32 @@ def main() -> int:
     moe_rest = parts["moe_total"] - parts["moe_router"] - parts["moe_routed_experts"] - parts.get("moe_shared_expert", 0.0)
     in_layers_other = parts["layers_total"] - parts.get("kda_attention", 0) - parts.get("mla_attention", 0) \
         - parts["moe_total"] - parts.get("dense_mlp", 0)
+    # The inference fast paths (model/layers/fused.py) bypass the sub-modules and the decode kernel the
+    # hooks sit on: a part whose pieces were not measured gets one row, not rows of zeros.
+    kda_split = parts.get("kda_linears", 0.0) + parts.get("kda_recurrent", 0.0) > 0
+    mla_split = parts.get("mla_linears", 0.0) > 0
     breakdown = [
         ("KDA: q/k/v/gate/beta/out linears (6 layers)", parts.get("kda_linears", 0.0)),
         ("KDA: recurrent state update (torch decode kernel)", parts.get("kda_recurrent", 0.0)),
         ("KDA: short conv, l2norm, gate, gated norm",
          parts.get("kda_attention", 0.0) - parts.get("kda_linears", 0.0) - parts.get("kda_recurrent", 0.0)),
+    ] if kda_split else [
+        ("KDA attention, whole layers (fused fast path: projections, conv, state update, norm)", parts.get("kda_attention", 0.0)),
+    ]
+    breakdown += [
         ("MLA: linears (2 layers)", parts.get("mla_linears", 0.0)),
-        ("MLA: latent attention (loop over sequences)", parts.get("mla_latent_attention", 0.0)),
+        ("MLA: latent attention", parts.get("mla_latent_attention", 0.0)),
         ("MLA: cache write, rest",
          parts.get("mla_attention", 0.0) - parts.get("mla_linears", 0.0) - parts.get("mla_latent_attention", 0.0)),
+    ] if mla_split else [
+        ("MLA: latent attention", parts.get("mla_latent_attention", 0.0)),
+        ("MLA: fused projections, cache write, rest", parts.get("mla_attention", 0.0) - parts.get("mla_latent_attention", 0.0)),
+    ]
+    breakdown += [
         ("MoE router (7 layers)", parts["moe_router"]),
         ("MoE routed experts", parts["moe_routed_experts"]),
-        ("MoE shared expert", parts.get("moe_shared_expert", 0.0)),
-        ("MoE latent down/up proj + norm", moe_rest),
+        *([("MoE shared expert", parts["moe_shared_expert"])] if parts.get("moe_shared_expert", 0.0) > 0 else []),
+        ("MoE latent down/up proj + norm" + ("" if parts.get("moe_shared_expert", 0.0) > 0 else " + shared expert (fused)"), moe_rest),
         ("dense MLP (layer 0)", parts.get("dense_mlp", 0.0)),
         ("norms + Attention-Residual mixes", in_layers_other),
         ("embedding + final mix/norm", parts["model_total"] - parts["layers_total"]),
@@ -380,19 +393,20 @@ def main() -> int:
         f"{counts['bytes_total'] / step_wall / 1e9:.1f} GB/s and its FLOPs run at "
         f"{counts['flops_total'] / step_wall / 1e9:.1f} GFLOP/s.",
         "",
-        "Where the time goes (forward hooks, median step of the hooks pass; routed experts = `run_experts`, one "
-        "gathered batch per chosen expert):",
+        "Where the time goes (forward hooks, median step of the hooks pass; routed experts = `run_experts`: "
+        "stacked expert weights on the fast path, one gathered batch per chosen expert otherwise):",
         "",
         *bd_lines,
         "",
-        f"The KDA recurrent update alone takes {parts.get('kda_recurrent', 0.0):.2f} ms per step; reading and writing "
-        f"the {counts['bytes_kda_state'] / 2e6:.1f} MB of state once at {bw:.1f} GB/s would take "
-        f"{1e3 * counts['bytes_kda_state'] / (bw * 1e9):.2f} ms: the torch decode path gathers the slots' states "
-        f"(`index_select`, a copy), decays them in place, reads them for k^T S, materialises the rank-1 update "
-        f"k (x) u as a state-sized tensor and adds it, reads them for q^T S and scatters them back (`index_copy_`): "
-        f"about ten state-sized memory passes per layer instead of one read and one write. The routed experts run one "
-        f"small gathered batch per chosen expert ({statistics.fmean(experts):.1f} experts x 3 linears x "
-        f"{counts['moe_layers']} layers per step, plus gather/scatter ops for each).",
+        (f"The KDA recurrent update alone takes {parts['kda_recurrent']:.2f} ms per step; reading and writing "
+         f"the {counts['bytes_kda_state'] / 2e6:.1f} MB of state once at {bw:.1f} GB/s would take "
+         f"{1e3 * counts['bytes_kda_state'] / (bw * 1e9):.2f} ms. " if kda_split else
+         f"KDA layers run the fused decode fast path (state read once, decayed and updated in place in the pool: "
+         f"about three state-sized passes per layer); reading and writing the "
+         f"{counts['bytes_kda_state'] / 2e6:.1f} MB of state once at {bw:.1f} GB/s would take "
+         f"{1e3 * counts['bytes_kda_state'] / (bw * 1e9):.2f} ms. ")
+        + f"The routed experts run over stacked expert weights ({statistics.fmean(experts):.1f} experts chosen per layer, "
+        f"{counts['moe_layers']} layers per step).",
         "",
         f"Top operators by self CPU time (torch.profiler over {args.profile_steps} steps; the profiler inflates "
         f"small ops, shares are indicative). {ops_per_step:.0f} aten operator events per step (nested calls such as "

@@ -81,9 +81,12 @@ class CacheKey:
 @dataclass
 class Lookup:
     state: SequenceState  # the state after ``position`` tokens
-    position: int
     session_hit: bool  # found through the session's last checkpoint
     from_redis: int  # entries read from Redis (the rest came from the LRU)
+
+    @property
+    def position(self) -> int:
+        return self.state.position
 
 
 class PrefixCache:
@@ -140,7 +143,7 @@ class PrefixCache:
                 self._count(hits=1, hit_tokens=state.position, session_hits=int(blocks == session_block),
                             redis_entries_read=from_redis)
                 self.record_tenant(key.tenant, hits=1, cached_tokens=state.position)
-                return Lookup(state, state.position, blocks == session_block, from_redis)
+                return Lookup(state, blocks == session_block, from_redis)
         self._count(misses=1)
         return None
 
@@ -340,7 +343,7 @@ class Recorder:
         items: list[tuple[str, bytes]] = []
         last: tuple[int, bytes] | None = None
         for cp in checkpoints:
-            for b, start in enumerate(range(cp.block_start, cp.position, bs)):
+            for start in range(cp.block_start, cp.position, bs):
                 index = start // bs
                 tokens = cp.tokens[start - cp.block_start : start - cp.block_start + bs]
                 if index < len(self.hashes):

@@ -13,38 +13,21 @@ import asyncio
 import contextlib
 from typing import AsyncIterator
 
-from deployments.engine import AsyncEngine, CheckpointPlan, Engine, EngineConfig, GenerationRequest
-from model.runner import ModelRunner
+from deployments.engine import GenerationRequest
 from model.state import SequenceState
 
 from . import tracing
 from .api import HandoffLost
 from .config import PlatformConfig
-from .expert_pool import attach_expert_pool
+from .engine_replica import EngineReplica
 from .messages import DecodeChunk, DecodeRequest
-from .replica import cache_key, load_replica_model, make_cache, replica_id
+from .replica import cache_key
 
 
-class Decode:
+class Decode(EngineReplica):
     def __init__(self, config: PlatformConfig, pool: str, expert_shards: list | None = None) -> None:
-        self.config, self.pool = config, pool
-        tracing.setup_tracing(f"deltaserve-decode-{pool}", memory=config.trace_memory)
-        model, self.tokenizer = load_replica_model(config)
-        if expert_shards:
-            attach_expert_pool(model, expert_shards)
-        self.fingerprint = model.config.fingerprint()
-        pc = config.pools[pool]
-        self.engine = Engine(
-            ModelRunner(model, max(config.num_slots, pc.max_num_seqs)),
-            self.tokenizer,
-            EngineConfig(num_slots=max(config.num_slots, pc.max_num_seqs), max_num_seqs=pc.max_num_seqs,
-                         max_num_batched_tokens=max(pc.max_num_batched_tokens, pc.max_num_seqs),
-                         max_model_len=config.max_model_len),
-        )
-        self.async_engine = AsyncEngine(self.engine)
-        self.replica = replica_id()
-        self.cache = make_cache(config, model.config)
-        self.plan = CheckpointPlan(config.cache.block_size, config.cache.checkpoint_every)
+        slots = max(config.num_slots, config.pools[pool].max_num_seqs)
+        super().__init__(config, pool, "decode", expert_shards, num_slots=slots, max_num_seqs=config.pools[pool].max_num_seqs)
 
     async def generate(self, req: DecodeRequest) -> AsyncIterator[DecodeChunk]:
         p = req.prefill
@@ -76,12 +59,3 @@ class Decode:
         finally:
             span.set_attribute("deltaserve.completion_tokens", n)
             span.end()
-
-    def stats(self) -> dict:
-        return {"replica": self.replica, **vars(self.engine.stats)}
-
-    def cache_stats(self) -> dict:
-        return {"replica": self.replica, **(self.cache.stats() if self.cache else {"enabled": False})}
-
-    def debug_spans(self) -> list[dict]:
-        return tracing.finished_spans()

@@ -19,34 +19,18 @@ import contextlib
 import time
 from dataclasses import replace
 
-from deployments.engine import AsyncEngine, CheckpointPlan, Engine, EngineConfig, GenerationRequest
-from model.runner import ModelRunner
+from deployments.engine import GenerationRequest
 
 from . import tracing
 from .config import PlatformConfig
-from .expert_pool import attach_expert_pool
+from .engine_replica import EngineReplica
 from .messages import PrefillRequest, PrefillResult
-from .replica import cache_key, load_replica_model, make_cache, replica_id
+from .replica import cache_key
 
 
-class Prefill:
+class Prefill(EngineReplica):
     def __init__(self, config: PlatformConfig, pool: str, expert_shards: list | None = None) -> None:
-        self.config, self.pool = config, pool
-        tracing.setup_tracing(f"deltaserve-prefill-{pool}", memory=config.trace_memory)
-        model, self.tokenizer = load_replica_model(config)
-        if expert_shards:
-            attach_expert_pool(model, expert_shards)
-        pc = config.pools[pool]
-        self.engine = Engine(
-            ModelRunner(model, config.num_slots),
-            self.tokenizer,
-            EngineConfig(num_slots=config.num_slots, max_num_seqs=config.num_slots,
-                         max_num_batched_tokens=max(pc.max_num_batched_tokens, config.num_slots), max_model_len=config.max_model_len),
-        )
-        self.async_engine = AsyncEngine(self.engine)
-        self.replica = replica_id()
-        self.cache = make_cache(config, model.config)
-        self.plan = CheckpointPlan(config.cache.block_size, config.cache.checkpoint_every)
+        super().__init__(config, pool, "prefill", expert_shards, num_slots=config.num_slots, max_num_seqs=config.num_slots)
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         t0 = time.perf_counter()
@@ -102,12 +86,3 @@ class Prefill:
                 replica=self.replica,
                 prefill_s=time.perf_counter() - t0,
             )
-
-    def stats(self) -> dict:
-        return {"replica": self.replica, **vars(self.engine.stats)}
-
-    def cache_stats(self) -> dict:
-        return {"replica": self.replica, **(self.cache.stats() if self.cache else {"enabled": False})}
-
-    def debug_spans(self) -> list[dict]:
-        return tracing.finished_spans()

@@ -181,7 +181,10 @@ def test_tenants_never_share_entries_and_guessed_sessions_give_nothing(platform,
     msgs_alice = msgs + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "Another tenant's secret turn."}]
     chat(platform, "a", msgs_alice, key="alice", session="iso-a")
     wait_for(lambda: store.hgetall(session_key_of("alice", "iso-a")), what="alice's session")
+    settle(lambda: store.hgetall(session_key_of("alice", "iso-a")))  # her end-of-turn checkpoint has landed
+    alice_session = store.hgetall(session_key_of("alice", "iso-a"))
     _, uguess, _ = chat(platform, "b", msgs_alice, key="bob", session="iso-a")
+    assert store.hgetall(session_key_of("alice", "iso-a")) == alice_session  # bob's turn never touches alice's session
     # bob only has his own copy of the shared first turn, never alice's later checkpoints
     assert uguess.prompt_tokens_details.cached_tokens <= ub1.prompt_tokens
     assert not store.hgetall(session_key_of("bob", "iso-a")) or store.hgetall(session_key_of("bob", "iso-a"))["tenant"] == "bob"

@@ -1,0 +1,42 @@
+"""What a prefill and a decode replica share: the model behind an engine, the cache, its identity, stats."""
+
+from __future__ import annotations
+
+from deployments.engine import AsyncEngine, CheckpointPlan, Engine, EngineConfig
+from model.runner import ModelRunner
+
+from . import tracing
+from .config import PlatformConfig
+from .expert_pool import attach_expert_pool
+from .replica import load_replica_model, make_cache, replica_id
+
+
+class EngineReplica:
+    def __init__(self, config: PlatformConfig, pool: str, kind: str, expert_shards: list | None, *,
+                 num_slots: int, max_num_seqs: int) -> None:
+        self.config, self.pool = config, pool
+        tracing.setup_tracing(f"deltaserve-{kind}-{pool}", memory=config.trace_memory)
+        model, self.tokenizer = load_replica_model(config)
+        if expert_shards:
+            attach_expert_pool(model, expert_shards)
+        self.fingerprint = model.config.fingerprint()
+        self.engine = Engine(
+            ModelRunner(model, num_slots),
+            self.tokenizer,
+            EngineConfig(num_slots=num_slots, max_num_seqs=max_num_seqs,
+                         max_num_batched_tokens=max(config.pools[pool].max_num_batched_tokens, max_num_seqs),
+                         max_model_len=config.max_model_len),
+        )
+        self.async_engine = AsyncEngine(self.engine)
+        self.replica = replica_id()
+        self.cache = make_cache(config, model.config)
+        self.plan = CheckpointPlan(config.cache.block_size, config.cache.checkpoint_every)
+
+    def stats(self) -> dict:
+        return {"replica": self.replica, **vars(self.engine.stats)}
+
+    def cache_stats(self) -> dict:
+        return {"replica": self.replica, **(self.cache.stats() if self.cache else {"enabled": False})}
+
+    def debug_spans(self) -> list[dict]:
+        return tracing.finished_spans()

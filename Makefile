@@ -15,6 +15,12 @@ system-deps:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
 	  else echo "warning: redis-server not found and not root: install it (apt-get install redis-server)"; fi; \
 	fi
+	@if ! command -v cc >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing a C compiler for the native CPU kernels (apt)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc libc6-dev >/dev/null; \
+	  else echo "warning: no C compiler and not root: the native CPU kernels fall back to torch (apt-get install gcc)"; fi; \
+	fi
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)

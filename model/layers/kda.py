@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.kda import chunk_kda, fused_recurrent_kda
+from kernels.kda import chunk_kda, cpu as kda_cpu, fused_recurrent_kda
+from kernels.kda.cpu import kda_decode_cpu
 
 from ..config import ModelConfig
 from ..state import BatchLayout, StatePool
@@ -173,7 +174,8 @@ class KimiDeltaAttention(nn.Module):
         * o_norm's eps times K: the query scale K^-½ is left out of q and o, and RMSNorm(K^-½ o; eps) =
           RMSNorm(o; K · eps), so the normalised output is the same;
         * g_b (or None); o_proj with √D · o_norm's weight folded into its columns (both precede the
-          gate's elementwise product; see :func:`~.fused.unit_rms_norm`), and o_norm's eps.
+          gate's elementwise product; see :func:`~.fused.unit_rms_norm`), and o_norm's eps;
+        * the gate factor as one value per channel [H · D] (for the C kernel).
         """
         H, D = self.num_heads, self.head_dim
 
@@ -204,6 +206,7 @@ class KimiDeltaAttention(nn.Module):
                 w_fb.contiguous(), dt.contiguous(), a,
                 None if self.full_rank_gate else self.g_b_proj.weight,
                 w_o.contiguous(), self.o_norm.eps * D,
+                (a.expand(H, D) if a.dim() else a.expand(H * D)).reshape(-1).contiguous(),  # the gate factor per channel
             )
 
         return self._fast.get(sources, build)
@@ -217,8 +220,13 @@ class KimiDeltaAttention(nn.Module):
         when the slots are consecutive, else gathered and written back by slot.
         """
         N, H, D = x.shape[0], self.num_heads, self.head_dim
-        W, split, wc, w_fb, dt, a_gate, w_gb, w_o, eps_o = self._fast_weights()
+        W, split, wc, w_fb, dt, a_gate, w_gb, w_o, eps_o, a_vec = self._fast_weights()
         qkv, gate_in, fa, b = F.linear(x, W).split(split, dim=1)
+        if USE_NATIVE and kda_cpu.available():  # everything between the projections and o_proj in one C call
+            gate = gate_in if w_gb is None else F.linear(gate_in, w_gb)
+            o = kda_decode_cpu(qkv, pool.conv_state[i], wc, F.linear(fa, w_fb, dt), a_vec, self.lower_bound is None,
+                               b, gate, pool.kda_state[i], layout.slot_index, eps_o * D)
+            return F.linear(o, w_o)
 
         # short convs: y = silu(Σ_w [tails, x]_w · weight_w), one multiply-add per tap (faster than a
         # reduction over the 4 taps); the tails shift by one, in place when the slots are consecutive
@@ -265,4 +273,6 @@ class KimiDeltaAttention(nn.Module):
         return F.linear(o.view(N, H * D), w_o)
 
 
+# Set False to run the decode fast path's torch code instead of the C kernel (its reference; tests compare).
+USE_NATIVE = True
 _SQRT_L2_EPS = torch.tensor(1e-6**0.5)  # l2norm's eps under the square root

@@ -72,7 +72,13 @@ def _assert_same_state(a: ModelRunner, b: ModelRunner, slots):
     (list(range(9)), [9 + i for i in range(9)]),
     ([8, 1, 6, 3, 4, 5, 2, 7, 0], [4] * 9),
 ])
-def test_batched_decode_fast_equals_general(model, slots, lengths):
+@pytest.mark.parametrize("native", [True, False], ids=["kda-c-kernel", "kda-torch"])
+def test_batched_decode_fast_equals_general(model, slots, lengths, native, monkeypatch):
+    from model.layers import kda
+
+    monkeypatch.setattr(kda, "USE_NATIVE", native)
+    if native and not kda.kda_cpu.available():
+        pytest.fail("the native KDA decode kernel did not build (a C compiler is part of `make test`'s setup)")
     prompts = [_ids(n, 100 + i) for i, n in enumerate(lengths)]
     fast, general = _twin_runners(model, 10, prompts, slots)
     for t in range(4):

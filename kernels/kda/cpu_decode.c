@@ -1,0 +1,107 @@
+/* Fused KDA decode step on CPU (fp32): short conv + SiLU, L2-norm, gate, delta rule, output norm and gate.
+ *
+ * One call does everything of a KDA layer's decode step between its input projections and o_proj,
+ * for N sequences whose state slots are addressed by index and updated in place (conv tails and the
+ * recurrent state; other slots are never touched). Per sequence n, channel c < 3P (P = H * D) and head h:
+ *
+ *   y_c      = silu(sum_j tails[c][j] * wc[j][c] + qkv[c] * wc[W-1][c]);  tails shift left, qkv enters
+ *   q, k, v  = y[0:P], y[P:2P], y[2P:3P];  q, k /= sqrt(|.|^2 + 1e-6) per head
+ *   d        = exp(a * softplus(g))  (softplus form)  or  exp(a * sigmoid(g))  (lower-bound form)
+ *   beta     = sigmoid(b_h)
+ *   u        = beta * (v - (k*d)^T S);   o = (q*d)^T S + (q.k) u;   S = d S + k u^T
+ *   out      = o / sqrt(|o|^2 + eps_sum) * sigmoid(gate)    (RMSNorm / sqrt(D) with eps_sum = D * eps;
+ *                                                           the caller folds sqrt(D) and the weight into o_proj)
+ *
+ * The same math as model/layers/kda.py's torch decode fast path (its reference) and fla's naive recurrence.
+ * S is [D (key), D (value)] per head, row-major: both passes over it stay in L1 (16 KiB at D = 64).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_D 256
+
+static inline float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+static inline float softplusf_(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+int kda_decode_f32(
+    int64_t N, int64_t H, int64_t D, int64_t W,
+    const float *qkv, int64_t qkv_stride,    /* [N, 3P] pre-conv q|k|v projections, row stride */
+    float *conv,                             /* pool conv tails [slots, 3P, W-1] */
+    const float *wc,                         /* conv taps [W, 3P], oldest first */
+    const float *g, int64_t g_stride,        /* [N, P] gate pre-activation (f_b(f_a x) + dt, constants folded) */
+    const float *a,                          /* [P] gate factor */
+    int32_t softplus_form,
+    const float *b, int64_t b_stride,        /* [N, H] beta logits */
+    const float *gate, int64_t gate_stride,  /* [N, P] output gate logits */
+    float *state,                            /* pool states [slots, H, D, D] */
+    const int64_t *slots, int64_t num_slots, /* [N] slot of each sequence, < num_slots */
+    float eps_sum,
+    float *out                               /* [N, P] */
+) {
+    if (D > MAX_D || W < 1) return -1;
+    for (int64_t n = 0; n < N; n++)
+        if (slots[n] < 0 || slots[n] >= num_slots) return -3;
+    const int64_t P = H * D, C = 3 * P, T = W - 1;
+    float *y = malloc((size_t)C * sizeof(float));
+    if (!y) return -2;
+    for (int64_t n = 0; n < N; n++) {
+        const float *x = qkv + n * qkv_stride;
+        float *tails = conv + slots[n] * C * T;
+        for (int64_t c = 0; c < C; c++) {
+            float *t = tails + c * T;
+            float acc = x[c] * wc[T * C + c];
+            for (int64_t j = 0; j < T; j++) acc += t[j] * wc[j * C + c];
+            if (T > 0) {
+                memmove(t, t + 1, (size_t)(T - 1) * sizeof(float));
+                t[T - 1] = x[c];
+            }
+            y[c] = acc * sigmoidf_(acc);
+        }
+        const float *gn = g + n * g_stride, *gt = gate + n * gate_stride;
+        for (int64_t h = 0; h < H; h++) {
+            float *q = y + h * D, *k = y + P + h * D, *v = y + 2 * P + h * D;
+            float qq = 0.f, kk = 0.f;
+            for (int64_t i = 0; i < D; i++) { qq += q[i] * q[i]; kk += k[i] * k[i]; }
+            const float rq = 1.0f / sqrtf(qq + 1e-6f), rk = 1.0f / sqrtf(kk + 1e-6f);
+            float qn[MAX_D], kn[MAX_D], qd[MAX_D], kd[MAX_D], d[MAX_D], u[MAX_D], o[MAX_D];
+            float qk = 0.f;
+            for (int64_t i = 0; i < D; i++) {
+                const int64_t p = h * D + i;
+                qn[i] = q[i] * rq;
+                kn[i] = k[i] * rk;
+                qk += qn[i] * kn[i];
+                const float gi = gn[p];
+                d[i] = expf(a[p] * (softplus_form ? softplusf_(gi) : sigmoidf_(gi)));
+                qd[i] = qn[i] * d[i];
+                kd[i] = kn[i] * d[i];
+            }
+            const float beta = sigmoidf_(b[n * b_stride + h]);
+            float *S = state + (slots[n] * H + h) * D * D;
+            float sk[MAX_D], sq[MAX_D];
+            for (int64_t j = 0; j < D; j++) { sk[j] = 0.f; sq[j] = 0.f; }
+            for (int64_t i = 0; i < D; i++) {
+                const float *row = S + i * D;
+                const float ki = kd[i], qi = qd[i];
+                for (int64_t j = 0; j < D; j++) { sk[j] += ki * row[j]; sq[j] += qi * row[j]; }
+            }
+            float oo = 0.f;
+            for (int64_t j = 0; j < D; j++) {
+                u[j] = beta * (v[j] - sk[j]);
+                o[j] = sq[j] + qk * u[j];
+                oo += o[j] * o[j];
+            }
+            for (int64_t i = 0; i < D; i++) {
+                float *row = S + i * D;
+                const float di = d[i], ki = kn[i];
+                for (int64_t j = 0; j < D; j++) row[j] = di * row[j] + ki * u[j];
+            }
+            const float ro = 1.0f / sqrtf(oo + eps_sum);
+            float *on = out + n * P + h * D;
+            for (int64_t j = 0; j < D; j++) on[j] = o[j] * ro * sigmoidf_(gt[h * D + j]);
+        }
+    }
+    free(y);
+    return 0;
+}

@@ -22,8 +22,12 @@
 
 #define MAX_D 256
 
-static inline float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
-static inline float softplusf_(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+/* exp of -|x| only: no overflow to infinity (fast math assumes none; a reciprocal of inf turns to NaN) */
+static inline float sigmoidf_(float x) {
+    const float e = expf(-fabsf(x)), s = 1.0f / (1.0f + e);
+    return x >= 0.0f ? s : e * s;
+}
+static inline float softplusf_(float x) { return fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x))); }
 
 int kda_decode_f32(
     int64_t N, int64_t H, int64_t D, int64_t W,

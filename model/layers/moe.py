@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.moe import cpu as moe_cpu
+
 from ..config import ModelConfig
 from . import fused
 from .fused import Derived, cat_rows, fast_path_ok, unit_rms_norm
@@ -31,6 +33,8 @@ from .norms import RMSNorm
 # overhead no longer matters there and the padded batches of the packed path would waste work.
 PACKED_MAX_ASSIGNMENTS = 512
 _TINY = torch.tensor(1e-20)
+# Set False to run the routed experts' torch fast path instead of the C kernel (its reference; tests compare).
+USE_NATIVE = True
 
 
 def glu(gate: torch.Tensor, up: torch.Tensor, act: str, beta: float = 1.0, linear_beta: float | None = None) -> torch.Tensor:
@@ -48,6 +52,8 @@ class _Act:
     def __init__(self, config: ModelConfig) -> None:
         self.act, self.beta, self.linear_beta = config.hidden_act, config.situ_beta, config.situ_linear_beta
         self._beta_t = torch.tensor(float(self.beta))
+        # the C kernel's activation for weights folded by :meth:`fold`
+        self.native_mode = "silu" if self.act == "silu" else "situ" if self.linear_beta is None else "situ-folded"
 
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return glu(gate, up, self.act, self.beta, self.linear_beta)
@@ -160,11 +166,17 @@ class Router(nn.Module):
 def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
     """Σ_j w[t,j] · experts[idx[t,j]](x[t]): x [T, D], idx [T, k], w [T, k] fp32 → [T, D] in x's dtype.
 
-    :func:`run_experts_packed` on the inference fast path (up to ``PACKED_MAX_ASSIGNMENTS``
-    assignments), else :func:`run_experts_loop`.
+    On the inference fast path (up to ``PACKED_MAX_ASSIGNMENTS`` assignments): the C kernel
+    (:mod:`kernels.moe.cpu`) when it is built, else :func:`run_experts_packed`; otherwise
+    :func:`run_experts_loop`.
     """
     if len(experts) and idx.numel() <= PACKED_MAX_ASSIGNMENTS and fast_path_ok(x):
-        return run_experts_packed(x, idx, w, packed_experts(experts))
+        packed = packed_experts(experts)
+        if USE_NATIVE and moe_cpu.available():  # one C call: grouped matrix-vector products per expert
+            idx, w = idx.contiguous(), w.contiguous()
+            w13, w2 = packed.weights(set(idx.view(-1).tolist()))
+            return moe_cpu.moe_experts_cpu(x, idx, w, w13, w2, packed.act.native_mode, packed.act.beta)
+        return run_experts_packed(x, idx, w, packed)
     return run_experts_loop(x, idx, w, experts)
 
 

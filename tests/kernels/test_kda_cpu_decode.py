@@ -23,12 +23,12 @@ def _built():
         pytest.fail("the native KDA decode kernel did not build (a C compiler is part of `make test`'s setup)")
 
 
-def _inputs(N, H, D, W, num_slots, seed):
+def _inputs(N, H, D, W, num_slots, seed, scale=1.0):
     gen = torch.Generator().manual_seed(seed)
     P = H * D
     r = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
     slots = torch.randperm(num_slots, generator=gen)[:N].contiguous()
-    proj = r(N, 3 * P + 2 * P + H + 5)  # one projection output: q|k|v, g, gate, b as strided views
+    proj = r(N, 3 * P + 2 * P + H + 5) * scale  # one projection output: q|k|v, g, gate, b as strided views
     qkv, g, gate, b = proj[:, : 3 * P], proj[:, 3 * P : 4 * P], proj[:, 4 * P : 5 * P], proj[:, 5 * P : 5 * P + H]
     conv = torch.full((num_slots, 3, P, W - 1), SENTINEL)
     state = torch.full((num_slots, H, D, D), SENTINEL)
@@ -56,10 +56,11 @@ def _reference(qkv, conv, wc, g, a, softplus_form, b, gate, state, slots, eps_su
     return out.reshape(N, P), xx[..., 1:].reshape(N, 3, P, -1), s
 
 
-@pytest.mark.parametrize("N,H,D,W", [(1, 1, 64, 4), (3, 2, 60, 4), (9, 3, 17, 2), (5, 4, 32, 3)])
+@pytest.mark.parametrize("N,H,D,W,scale", [(1, 1, 64, 4, 1.0), (3, 2, 60, 4, 1.0), (9, 3, 17, 2, 1.0), (5, 4, 32, 3, 1.0),
+                                           (4, 2, 16, 4, 60.0)])  # logits far out: exp must not overflow
 @pytest.mark.parametrize("softplus_form", [True, False], ids=["softplus-gate", "lower-bound-gate"])
-def test_c_kernel_matches_spec_and_touches_only_its_slots(N, H, D, W, softplus_form):
-    t = _inputs(N, H, D, W, num_slots=N + 4, seed=N * 100 + D)
+def test_c_kernel_matches_spec_and_touches_only_its_slots(N, H, D, W, scale, softplus_form):
+    t = _inputs(N, H, D, W, num_slots=N + 4, seed=N * 100 + D, scale=scale)
     P = H * D
     a = -torch.rand(P, generator=t["gen"]) * 3 if softplus_form else torch.full((P,), -5.0)
     eps_sum = 1e-6 * D * D

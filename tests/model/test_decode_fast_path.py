@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 
+from kernels.moe.cpu import moe_experts_cpu
 from model import load_model
 from model.layers import fused
 from model.layers.attn_res import AttnResStream, attn_res_mix, mix_queries
@@ -72,13 +73,14 @@ def _assert_same_state(a: ModelRunner, b: ModelRunner, slots):
     (list(range(9)), [9 + i for i in range(9)]),
     ([8, 1, 6, 3, 4, 5, 2, 7, 0], [4] * 9),
 ])
-@pytest.mark.parametrize("native", [True, False], ids=["kda-c-kernel", "kda-torch"])
+@pytest.mark.parametrize("native", [True, False], ids=["c-kernels", "torch"])
 def test_batched_decode_fast_equals_general(model, slots, lengths, native, monkeypatch):
-    from model.layers import kda
+    from model.layers import kda, moe
 
     monkeypatch.setattr(kda, "USE_NATIVE", native)
-    if native and not kda.kda_cpu.available():
-        pytest.fail("the native KDA decode kernel did not build (a C compiler is part of `make test`'s setup)")
+    monkeypatch.setattr(moe, "USE_NATIVE", native)
+    if native and not (kda.kda_cpu.available() and moe.moe_cpu.available()):
+        pytest.fail("the native CPU kernels did not build (a C compiler is part of `make test`'s setup)")
     prompts = [_ids(n, 100 + i) for i, n in enumerate(lengths)]
     fast, general = _twin_runners(model, 10, prompts, slots)
     for t in range(4):
@@ -124,6 +126,8 @@ def test_packed_experts_equal_the_loop(T):
         assert rel_rms(run_experts_packed(x, idx, w, packed), ref) <= TOL
         if T == 1:  # the strided pair, either order
             assert rel_rms(run_experts_packed(x, idx.flip(1), w.flip(1), packed), ref) <= TOL
+        w13, w2 = packed.weights(range(len(moe.experts)))
+        assert rel_rms(moe_experts_cpu(x, idx, w, w13, w2, packed.act.native_mode, packed.act.beta), ref) <= TOL
 
 
 @pytest.mark.parametrize("T", [1, 5, 300])

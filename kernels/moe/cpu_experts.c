@@ -1,0 +1,127 @@
+/* Routed experts of a few tokens on CPU (fp32): out[t] = sum_j w[t][j] * expert_{idx[t][j]}(x[t]).
+ *
+ * Experts are GLUs over stacked, pre-folded weights (model/layers/moe.py PackedExperts): for expert e,
+ *   h = x @ w13[e]            (w13 [E, D, 2I]: gate columns then up columns)
+ *   a = act(h[:I], h[I:])     0: silu(g) * u
+ *                             1: beta * tanh(g / beta) * sigmoid(g) * u           (SiTU)
+ *                             2: sigmoid(beta * g) * tanh(g) * tanh(u)            (SiTU, both betas folded in)
+ *   y = a @ w2[e]             (w2 [E, I, D])
+ * Tokens are grouped per expert (a counting sort of the assignments), and each expert's weights are
+ * streamed once for up to TB tokens at a time: a grouped matrix-vector product, memory-bound on the
+ * weights, with the accumulators in L1. The torch reference is run_experts_packed / run_experts_loop.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TB 4   /* tokens per block (fewer are padded with a zero row) */
+#define CW 32  /* columns per register block */
+
+/* exp of -|x| only: no overflow to infinity (fast math assumes none; a reciprocal of inf turns to NaN) */
+static inline float sigmoidf_(float x) {
+    const float e = expf(-fabsf(x)), s = 1.0f / (1.0f + e);
+    return x >= 0.0f ? s : e * s;
+}
+
+int moe_experts_f32(
+    int64_t T, int64_t D, int64_t I, int64_t K, int64_t E,
+    const float *x, int64_t x_stride,  /* [T, D], row stride */
+    const int64_t *idx,                /* [T, K] expert ids */
+    const float *w,                    /* [T, K] weights */
+    const float *w13,                  /* [E, D, 2I] */
+    const float *w2,                   /* [E, I, D] */
+    int32_t act, float beta,
+    float *out                         /* [T, D], overwritten */
+) {
+    const int64_t A = T * K, I2 = 2 * I;
+    for (int64_t a = 0; a < A; a++)
+        if (idx[a] < 0 || idx[a] >= E) return -3;
+    if (act < 0 || act > 2) return -4;
+    if (D > 4096) return -5;
+    int64_t *count = calloc((size_t)E + 1, sizeof(int64_t));
+    int64_t *order = malloc((size_t)(A > 0 ? A : 1) * sizeof(int64_t));
+    float *h = malloc((size_t)TB * I2 * sizeof(float));
+    if (!count || !order || !h) { free(count); free(order); free(h); return -2; }
+    for (int64_t a = 0; a < A; a++) count[idx[a] + 1]++;
+    for (int64_t e = 0; e < E; e++) count[e + 1] += count[e];  /* count[e] = first assignment of expert e */
+    int64_t *fill = malloc((size_t)E * sizeof(int64_t));
+    if (!fill) { free(count); free(order); free(h); return -2; }
+    memcpy(fill, count, (size_t)E * sizeof(int64_t));
+    for (int64_t a = 0; a < A; a++) order[fill[idx[a]]++] = a;  /* stable: token order within an expert */
+    free(fill);
+    memset(out, 0, (size_t)T * D * sizeof(float));
+
+    static const float zeros[4096];
+    for (int64_t e = 0; e < E; e++) {
+        const float *W13 = w13 + e * D * I2, *W2 = w2 + e * I * D;
+        for (int64_t s = count[e]; s < count[e + 1]; s += TB) {
+            const int64_t nb = count[e + 1] - s < TB ? count[e + 1] - s : TB;
+            const float *xs[TB];
+            for (int64_t b = 0; b < TB; b++) xs[b] = b < nb ? x + (order[s + b] / K) * x_stride : zeros;
+            /* h = x @ W13 in column chunks of CW, the TB x CW accumulators in registers */
+            for (int64_t j0 = 0; j0 < I2; j0 += CW) {
+                const int64_t cw = I2 - j0 < CW ? I2 - j0 : CW;
+                if (cw == CW) {
+                    float acc[TB][CW] = {{0}};
+                    for (int64_t d = 0; d < D; d++) {
+                        const float *r = W13 + d * I2 + j0;
+                        for (int b = 0; b < TB; b++) {
+                            const float xv = xs[b][d];
+                            for (int jj = 0; jj < CW; jj++) acc[b][jj] += xv * r[jj];
+                        }
+                    }
+                    for (int b = 0; b < TB; b++) memcpy(h + b * I2 + j0, acc[b], CW * sizeof(float));
+                } else {
+                    for (int b = 0; b < TB; b++) {
+                        float *hb = h + b * I2 + j0;
+                        for (int64_t jj = 0; jj < cw; jj++) hb[jj] = 0.f;
+                        for (int64_t d = 0; d < D; d++) {
+                            const float xv = xs[b][d], *r = W13 + d * I2 + j0;
+                            for (int64_t jj = 0; jj < cw; jj++) hb[jj] += xv * r[jj];
+                        }
+                    }
+                }
+            }
+            for (int64_t b = 0; b < nb; b++) {  /* activation, in the gate half of h, times the routing weight */
+                float *hb = h + b * I2;
+                const float wt = w[order[s + b]];
+                for (int64_t i = 0; i < I; i++) {
+                    const float g = hb[i], u = hb[I + i];
+                    float a;
+                    if (act == 0) a = g * sigmoidf_(g) * u;
+                    else if (act == 1) a = beta * tanhf(g / beta) * sigmoidf_(g) * u;
+                    else a = sigmoidf_(beta * g) * tanhf(g) * tanhf(u);
+                    hb[i] = a * wt;
+                }
+            }
+            for (int64_t b = nb; b < TB; b++)
+                for (int64_t i = 0; i < I; i++) h[b * I2 + i] = 0.f;
+            /* out += a @ W2, the same register blocking; padded rows are zero and are not stored */
+            for (int64_t j0 = 0; j0 < D; j0 += CW) {
+                const int64_t cw = D - j0 < CW ? D - j0 : CW;
+                float acc[TB][CW] = {{0}};
+                for (int64_t i = 0; i < I; i++) {
+                    const float *r = W2 + i * D + j0;
+                    if (cw == CW) {
+                        for (int b = 0; b < TB; b++) {
+                            const float av = h[b * I2 + i];
+                            for (int jj = 0; jj < CW; jj++) acc[b][jj] += av * r[jj];
+                        }
+                    } else {
+                        for (int b = 0; b < TB; b++) {
+                            const float av = h[b * I2 + i];
+                            for (int64_t jj = 0; jj < cw; jj++) acc[b][jj] += av * r[jj];
+                        }
+                    }
+                }
+                for (int64_t b = 0; b < nb; b++) {
+                    float *ob = out + (order[s + b] / K) * D + j0;
+                    for (int64_t jj = 0; jj < cw; jj++) ob[jj] += acc[b][jj];
+                }
+            }
+        }
+    }
+    free(count); free(order); free(h);
+    return 0;
+}

@@ -18,7 +18,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .layers.attn_res import AttnResStream, attn_res_mix, mix_queries
-from .layers.fused import Derived, fast_path_ok, rms_norm, scaled_norm_weight, structure
+from .layers.fused import Derived, fast_path_ok, scaled_norm_weight, structure
 from .layers.kda import KimiDeltaAttention
 from .layers.mla import MLAttention
 from .layers.moe import GLUMLP, SparseMoE
@@ -65,10 +65,10 @@ class DecoderLayer(nn.Module):
             m = 2 * self.layer_idx  # this layer's two mixing points (see KimiTextModel.mix_points)
             if self.layer_idx % self.block_size == 0:  # h completes a block: mix over the blocks only
                 blocks.append(h)
-                h = attn(rms_norm(blocks.mix_blocks(m), w1, eps1), layout, pool)
+                h = attn(blocks.mix_blocks_norm(m, w1, eps1), layout, pool)
             else:
-                h = attn(rms_norm(blocks.mix(h, m), w1, eps1), layout, pool).add_(h)  # fresh outputs: add in place
-            return ffn(rms_norm(blocks.mix(h, m + 1), w2, eps2)).add_(h)
+                h = attn(blocks.mix_norm(h, m, w1, eps1), layout, pool).add_(h)  # fresh outputs: add in place
+            return ffn(blocks.mix_norm(h, m + 1, w2, eps2)).add_(h)
         x = attn_res_mix(blocks + [h], self.self_attention_res_proj, self.self_attention_res_norm)
         if self.layer_idx % self.block_size == 0:
             blocks.append(h)
@@ -123,7 +123,7 @@ class KimiTextModel(nn.Module):
             for layer in layers:
                 h = layer(h, stream, layout, pool)
             w, e = norms[-1]
-            return rms_norm(stream.mix(h, 2 * len(layers)), w, e)
+            return stream.mix_norm(h, 2 * len(layers), w, e)
         blocks: list[torch.Tensor] = []
         for layer in self.layers:
             h = layer(h, blocks, layout, pool)

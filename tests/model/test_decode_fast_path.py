@@ -75,11 +75,11 @@ def _assert_same_state(a: ModelRunner, b: ModelRunner, slots):
 ])
 @pytest.mark.parametrize("native", [True, False], ids=["c-kernels", "torch"])
 def test_batched_decode_fast_equals_general(model, slots, lengths, native, monkeypatch):
-    from model.layers import kda, moe
+    from model.layers import attn_res, kda, moe
 
-    monkeypatch.setattr(kda, "USE_NATIVE", native)
-    monkeypatch.setattr(moe, "USE_NATIVE", native)
-    if native and not (kda.kda_cpu.available() and moe.moe_cpu.available()):
+    for module in (kda, moe, attn_res):
+        monkeypatch.setattr(module, "USE_NATIVE", native)
+    if native and not (kda.kda_cpu.available() and moe.moe_cpu.available() and attn_res.attn_res_cpu.available()):
         pytest.fail("the native CPU kernels did not build (a C compiler is part of `make test`'s setup)")
     prompts = [_ids(n, 100 + i) for i, n in enumerate(lengths)]
     fast, general = _twin_runners(model, 10, prompts, slots)

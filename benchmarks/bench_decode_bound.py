@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.report import write_report  # noqa: E402
 from deployments.engine import Engine, EngineConfig, GenerationRequest  # noqa: E402
 from model import load_model, load_tokenizer  # noqa: E402
+from model.layers import attn_res as attn_res_layer, kda as kda_layer, moe as moe_layer  # noqa: E402
 from model.layers.moe import SparseMoE  # noqa: E402
 from model.runner import ModelRunner  # noqa: E402
 
@@ -189,6 +190,12 @@ class StepProbe:
         return dt
 
 
+def set_native(flag: bool) -> None:
+    """Turn the decode step's C kernels (KDA step, routed experts, Attention-Residual mix + norm) on or off."""
+    for module in (kda_layer, moe_layer, attn_res_layer):
+        module.USE_NATIVE = flag
+
+
 def count_bytes_flops(model, runner, n_seqs: int, ctx: list[int], experts_per_layer: list[float]) -> dict:
     cfg = model.config
     kda, D = cfg.kda, cfg.hidden_size
@@ -236,6 +243,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=60, help="timed steps (no hooks)")
     ap.add_argument("--probe-steps", type=int, default=30, help="steps timed per part with hooks")
     ap.add_argument("--profile-steps", type=int, default=5)
+    ap.add_argument("--torch-steps", type=int, default=30,
+                    help="steps each with the native C kernels on and off, interleaved (their speed-up)")
     ap.add_argument("--out-dir", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -245,7 +254,7 @@ def main() -> int:
     model, tok = load_model(MODEL), load_tokenizer(MODEL)
     runner = ModelRunner(model, N)
     engine = Engine(runner, tok, EngineConfig(num_slots=N, max_num_seqs=N, max_num_batched_tokens=max(1024, N * args.prompt_tokens)))
-    total_steps = 1 + args.warmup + 2 * args.steps + args.probe_steps + args.profile_steps + 5
+    total_steps = 1 + args.warmup + 2 * args.steps + 2 * args.torch_steps + args.probe_steps + args.profile_steps + 5
     for i in range(N):
         text = (f"def handler_{i}(request):\n    return " * 4)[: args.prompt_tokens]
         engine.add_request(GenerationRequest(f"s{i}", tok.encode(text), total_steps + 10, ignore_eos=True))
@@ -274,6 +283,15 @@ def main() -> int:
     bw = max(bw1["GBps"], bw2["GBps"])
     mm = max(mm1["GFLOPs"], mm2["GFLOPs"])
     step_wall, step_cpu = median(walls), median(cpus)
+
+    # The same steps with the C kernels off (the torch fast paths they stand beside), interleaved with them on.
+    native_walls, torch_walls = [], []
+    for i in range(2 * args.torch_steps):
+        set_native(i % 2 == 0)
+        w = time.perf_counter()
+        engine.step()
+        (native_walls if i % 2 == 0 else torch_walls).append(time.perf_counter() - w)
+    set_native(True)
 
     # Per-part timing with hooks (a separate pass: hooks add a little time of their own).
     probe = StepProbe(engine)
@@ -319,7 +337,7 @@ def main() -> int:
         ("KDA: short conv, l2norm, gate, gated norm",
          parts.get("kda_attention", 0.0) - parts.get("kda_linears", 0.0) - parts.get("kda_recurrent", 0.0)),
     ] if kda_split else [
-        ("KDA attention, whole layers (fused fast path: projections, conv, state update, norm)", parts.get("kda_attention", 0.0)),
+        ("KDA attention, whole layers (projections; conv, state update, norm in one C call)", parts.get("kda_attention", 0.0)),
     ]
     breakdown += [
         ("MLA: linears (2 layers)", parts.get("mla_linears", 0.0)),
@@ -336,7 +354,7 @@ def main() -> int:
         *([("MoE shared expert", parts["moe_shared_expert"])] if parts.get("moe_shared_expert", 0.0) > 0 else []),
         ("MoE latent down/up proj + norm" + ("" if parts.get("moe_shared_expert", 0.0) > 0 else " + shared expert (fused)"), moe_rest),
         ("dense MLP (layer 0)", parts.get("dense_mlp", 0.0)),
-        ("norms + Attention-Residual mixes", in_layers_other),
+        ("Attention-Residual mixes + norms (one C call each)", in_layers_other),
         ("embedding + final mix/norm", parts["model_total"] - parts["layers_total"]),
         ("lm_head", parts["lm_head"]),
         ("runner: layout, ids, last-token select", fwd - parts["model_total"] - parts["lm_head"]),
@@ -394,19 +412,24 @@ def main() -> int:
         f"{counts['flops_total'] / step_wall / 1e9:.1f} GFLOP/s.",
         "",
         "Where the time goes (forward hooks, median step of the hooks pass; routed experts = `run_experts`: "
-        "stacked expert weights on the fast path, one gathered batch per chosen expert otherwise):",
+        "the grouped C kernel over stacked expert weights):",
         "",
         *bd_lines,
         "",
         (f"The KDA recurrent update alone takes {parts['kda_recurrent']:.2f} ms per step; reading and writing "
          f"the {counts['bytes_kda_state'] / 2e6:.1f} MB of state once at {bw:.1f} GB/s would take "
          f"{1e3 * counts['bytes_kda_state'] / (bw * 1e9):.2f} ms. " if kda_split else
-         f"KDA layers run the fused decode fast path (state read once, decayed and updated in place in the pool: "
-         f"about three state-sized passes per layer); reading and writing the "
+         f"KDA layers run the C decode kernel (each head's state read once and updated in place in the pool: "
+         f"one pass over memory, the second stays in L1); reading and writing the "
          f"{counts['bytes_kda_state'] / 2e6:.1f} MB of state once at {bw:.1f} GB/s would take "
          f"{1e3 * counts['bytes_kda_state'] / (bw * 1e9):.2f} ms. ")
         + f"The routed experts run over stacked expert weights ({statistics.fmean(experts):.1f} experts chosen per layer, "
         f"{counts['moe_layers']} layers per step).",
+        "",
+        f"The C kernels (`kernels/kda/cpu_decode.c`, `kernels/moe/cpu_experts.c`, `kernels/attn_res/cpu_mix_norm.c`) vs "
+        f"the torch fast paths beside them, {args.torch_steps} steps each, interleaved: "
+        f"{1e3 * median(native_walls):.2f} ms vs {1e3 * median(torch_walls):.2f} ms per step "
+        f"({median(torch_walls) / median(native_walls):.2f}x).",
         "",
         f"Top operators by self CPU time (torch.profiler over {args.profile_steps} steps; the profiler inflates "
         f"small ops, shares are indicative). {ops_per_step:.0f} aten operator events per step (nested calls such as "
@@ -451,6 +474,7 @@ def main() -> int:
         "distinct_experts_per_moe_layer": experts, "context_mid": ctx_mid, "top_ops": top_ops,
         "aten_calls_per_step": ops_per_step, "small_matmuls": small, "ratio_wall": ratio, "ratio_cpu": ratio_cpu,
         "target": RATIO_TARGET, "target_met": ratio <= RATIO_TARGET, "elapsed_s": time.perf_counter() - t_start,
+        "native_vs_torch_step_ms": {"native": 1e3 * median(native_walls), "torch": 1e3 * median(torch_walls)},
     }
     Path(path).write_text(json.dumps(record, indent=2, default=str) + "\n")
 

@@ -48,7 +48,7 @@ class ExpertShard:
                 dim = moe.latent or dim
         self.replica = replica_id()
         self._lock = threading.Lock()
-        self.counts = {"direct_calls": 0, "handle_calls": 0, "tokens": 0}
+        self.counts = {"direct_calls": 0, "handle_calls": 0, "tokens": 0, "compute_s": 0.0}  # compute_s: in run_experts
         self.server: ExpertServer | None = None
         if config.expert_transport == "direct":
             run = weakref.WeakMethod(self._run_direct)  # the server's threads must not keep the shard alive
@@ -87,10 +87,13 @@ class ExpertShard:
         own = (idx % self.num_shards) == self.shard
         if not bool(own.all()):
             raise ValueError(f"shard {self.shard} got tokens routed to experts it does not own")
+        t = time.perf_counter()
+        out = run_experts(x, idx, w, self.layers[layer])
         with self._lock:
             self.counts[via] += 1
             self.counts["tokens"] += x.shape[0]
-        return run_experts(x, idx, w, self.layers[layer])
+            self.counts["compute_s"] += time.perf_counter() - t
+        return out
 
     def stats(self) -> dict:
         with self._lock:

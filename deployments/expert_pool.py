@@ -39,12 +39,14 @@ class ExpertShard:
         model, _ = load_replica_model(config)
         self.shard, self.num_shards = shard, num_shards
         self.num_experts = model.config.num_experts
-        self.layers: dict[int, torch.nn.ModuleList] = {}
+        self.layers: dict[int, torch.nn.ModuleList] = {}  # all experts, by global id
+        self.local: dict[int, torch.nn.ModuleList] = {}  # the owned experts, by local id e // S
         dim = model.config.hidden_size
         for i, layer in enumerate(model.model.layers):
             moe = getattr(layer, "block_sparse_moe", None)
             if isinstance(moe, SparseMoE):
-                self.layers[i] = moe.experts  # non-owned experts are never called (their weight is 0)
+                self.layers[i] = moe.experts
+                self.local[i] = torch.nn.ModuleList(moe.experts[e] for e in range(shard, self.num_experts, num_shards))
                 dim = moe.latent or dim
         self.replica = replica_id()
         self._lock = threading.Lock()
@@ -72,7 +74,10 @@ class ExpertShard:
         return self.server.endpoint
 
     def run(self, layer: int, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """The handle path: x [n, D], idx [n, k], w [n, k] (0 where another shard owns the expert) → [n, D]."""
+        """The handle path: Σ_j w[t,j] · expert idx[t,j] (x[t]).
+
+        x [n, D] fp32, idx [n, k] global expert ids (all owned by this shard), w [n, k] fp32 (0 where
+        another shard owns the expert) → [n, D] fp32."""
         return self._run(layer, x, idx, w, "handle_calls")
 
     def _run_direct(self, layer: int, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -88,7 +93,13 @@ class ExpertShard:
         if not bool(own.all()):
             raise ValueError(f"shard {self.shard} got tokens routed to experts it does not own")
         t = time.perf_counter()
-        out = run_experts(x, idx, w, self.layers[layer])
+        # The [n, k] layout of the colocated call. run_experts picks its path by assignments vs experts
+        # (paths round differently): the owned experts alone (E / S, the batched path computes only
+        # those) when all experts would take the same batched path, else all of them.
+        if 2 * idx.numel() > self.num_experts:
+            out = run_experts(x, idx // self.num_shards, w, self.local[layer])
+        else:
+            out = run_experts(x, idx, w, self.layers[layer])
         with self._lock:
             self.counts[via] += 1
             self.counts["tokens"] += x.shape[0]

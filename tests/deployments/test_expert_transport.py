@@ -50,6 +50,10 @@ def _ref(x, idx, w, experts) -> torch.Tensor:
         return run_experts(x, idx, w, experts)
 
 
+def _experts(model, layer: int):
+    return model.model.layers[layer].block_sparse_moe.experts
+
+
 def _fields(layer=1, n=3, D=128, k=2, dtypes=(1, 2, 1)):
     return (layer, n, D, k, *dtypes)
 
@@ -94,8 +98,8 @@ def test_parse_reply_rejects_a_bad_status():
         parse_reply(REPLY.pack(MAGIC, VERSION, 5, 0, 0, 0))
 
 
-@pytest.mark.parametrize("n,k", [(1, 2), (37, 2), (63, 8)])
-def test_direct_run_equals_run_experts_exactly(shards, n, k):
+@pytest.mark.parametrize("n,k", [(1, 2), (4, 2), (5, 2), (37, 2), (63, 8), (70, 8)])  # every run_experts path
+def test_direct_run_equals_run_experts_exactly(shards, model, n, k):
     for s, shard in enumerate(shards):
         client = ExpertClient(shard.endpoint())
         try:
@@ -103,7 +107,7 @@ def test_direct_run_equals_run_experts_exactly(shards, n, k):
                 x, idx, w = _inputs(n, k, s, seed=100 * n + layer)
                 got = client.run(layer, x, idx, w)
                 assert got.dtype == torch.float32 and got.shape == (n, 128)
-                assert torch.equal(got, _ref(x, idx, w, shard.layers[layer]))
+                assert torch.equal(got, _ref(x, idx, w, _experts(model, layer)))
         finally:
             client.close()
 
@@ -118,7 +122,7 @@ def test_pool_split_over_two_shards_matches_colocated(shards, model):
         out.index_add_(0, rows, clients[s].run(3, x[rows].contiguous(), sub_idx, sub_w))
     for c in clients:
         c.close()
-    ref = _ref(x, idx, w, model.model.layers[3].block_sparse_moe.experts)
+    ref = _ref(x, idx, w, _experts(model, 3))
     assert torch.equal(out, ref)
 
 
@@ -177,7 +181,7 @@ def test_a_handshake_that_is_not_hello_is_rejected(shards):
         assert sock.recv(1) == b""
 
 
-def test_shard_errors_come_back_as_clear_client_errors(shards):
+def test_shard_errors_come_back_as_clear_client_errors(shards, model):
     client = ExpertClient(shards[0].endpoint())
     try:
         x, idx, w = _inputs(4, 2, 1, seed=3)  # shard 1's experts sent to shard 0
@@ -186,7 +190,7 @@ def test_shard_errors_come_back_as_clear_client_errors(shards):
         with pytest.raises(RemoteExpertError, match=r"^ValueError: expert ids must be in 0..15, got 0..98$"):
             client.run(1, x, torch.tensor([[0, 98]] * 4), w)
         x, idx, w = _inputs(4, 2, 0, seed=3)  # the connection is still in sync
-        assert torch.equal(client.run(1, x, idx, w), _ref(x, idx, w, shards[0].layers[1]))
+        assert torch.equal(client.run(1, x, idx, w), _ref(x, idx, w, _experts(model, 1)))
     finally:
         client.close()
 

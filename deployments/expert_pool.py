@@ -114,7 +114,7 @@ class ExpertShard:
 
     def close(self) -> None:
         """Stop the data-plane server (idempotent; also when the shard is collected or at exit)."""
-        if self.server is not None:
+        if getattr(self, "server", None) is not None:  # __init__ may have failed before the server
             self._finalizer()
 
     def __del__(self) -> None:  # Serve calls it when the replica shuts down

@@ -190,11 +190,11 @@ def recv_bytes(sock: socket.socket, n: int) -> bytes:
 
 def encode_run(layer: int, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> list:
     """Header + body buffers of a RUN frame. x [n, D] fp32, idx [n, k] int64, w [n, k] fp32."""
-    n, D = x.shape
-    if idx.shape != (n, idx.shape[1]) or w.shape != idx.shape:
+    if x.dim() != 2 or idx.dim() != 2 or idx.shape[0] != x.shape[0] or w.shape != idx.shape:
         raise ValueError(f"shapes: x {tuple(x.shape)}, idx {tuple(idx.shape)}, w {tuple(w.shape)} (want [n, D], [n, k], [n, k])")
     if (x.dtype, idx.dtype, w.dtype) != (torch.float32, torch.int64, torch.float32):
         raise ValueError(f"dtypes: x {x.dtype}, idx {idx.dtype}, w {w.dtype} (want float32, int64, float32)")
+    n, D = x.shape
     parts = [t.detach().cpu().contiguous() for t in (x, idx, w)]
     return [RunHeader(layer, n, D, idx.shape[1]).pack(), *(_bytes(t) for t in parts)]
 

@@ -23,15 +23,18 @@ b. Continuous batching: decode tokens/s (steps after every sequence has its firs
    first chunk / time from the first first-chunk to the last chunk).
 c. Mixed load: 24 standard + 4 highspeed streams at once (two waves); per pool p50/p95 of time to first token
    and time per output token, from the client's chunk times and from ``usage.timings``.
-d. Expert pool vs colocated at 32 concurrent: decode tokens/s ratio through HTTP (``/pool`` vs ``/``), and
-   in this process with an ``Engine`` whose MoE layers call the real ``expert-pool-<s>`` Serve deployments
-   (``attach_expert_pool``) vs one with colocated experts; a timer around each MoE layer's expert function
-   (``RemoteExperts.__call__`` / ``run_experts``) splits each decode step into expert time and the rest; the
-   round trip of an empty handle call is measured too.
+d. Expert pool vs colocated at 32 concurrent: decode tokens/s ratio through HTTP (``/pool``, direct transport,
+   vs ``/``), and in this process with ``Engine``s whose MoE layers call the real ``expert-pool-<s>`` Serve
+   deployments (``attach_expert_pool``) over the direct transport and over Serve handles (the reference) vs one
+   with colocated experts; a timer around each MoE layer's expert function (``RemoteExperts.__call__`` /
+   ``run_experts``) splits each decode step into expert time and the rest; one 32-token layer call alone is
+   split into the shards' compute and transport; 1-token round trips of both transports.
 
-Writes ``benchmarks/results/serving.{json,md,png}``.
+Writes ``benchmarks/results/serving.{json,md,png}``; ``--only d`` runs section d alone (its own Serve apps) and
+writes ``benchmarks/results/serving_expert_pool.{json,md}``.
 
     .venv/bin/python benchmarks/bench_serving.py
+    .venv/bin/python benchmarks/bench_serving.py --only d
 """
 
 from __future__ import annotations
@@ -303,6 +306,245 @@ def batch_size(before: dict, after: dict) -> float | None:
     return (after["decode_tokens"] - before["decode_tokens"]) / steps if steps else None
 
 
+# -- d. expert pool vs colocated -----------------------------------------------------------------
+TRANSPORTS = ("direct", "handle")
+
+
+def _ms_p50(fn, n: int = 30) -> float:
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def _shard_stats(shards) -> list[dict]:
+    return [h.stats.remote().result() for h in shards]
+
+
+def expert_pool_in_process(model, tok, texts: list[str], n_dec: int, app: str, num_shards: int) -> dict:
+    """Section d in this process: Engines whose MoE layers call ``app``'s real ``expert-pool-<s>``
+    deployments over each transport (``attach_expert_pool(..., transport=...)``) vs colocated experts.
+
+    Where the time goes: a timer around each MoE layer's expert function splits every decode step into
+    expert time and the rest; one layer call with 32 tokens alone is split into the shards' compute
+    (their ``compute_s``) and transport + split/merge; 1-token round trips of each transport."""
+    from ray import serve
+
+    from deployments.expert_pool import attach_expert_pool
+    from deployments.expert_transport import ExpertClient
+
+    shards = [serve.get_deployment_handle(f"expert-pool-{s}", app_name=app) for s in range(num_shards)]
+    layer_id = next(i for i, l in enumerate(model.model.layers) if hasattr(l, "block_sparse_moe"))
+    D = model.config.routed_expert_hidden_size or model.config.hidden_size
+    x1, i1, w1 = torch.randn(1, D), torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2)
+    client = ExpertClient(shards[0].endpoint.remote().result())
+    rtt = {"handle_empty_ms_p50": _ms_p50(lambda: shards[0].stats.remote().result()),
+           "handle_1token_run_ms_p50": _ms_p50(lambda: shards[0].run.remote(layer_id, x1, i1, w1).result()),
+           "direct_1token_run_ms_p50": _ms_p50(lambda: client.run(layer_id, x1, i1, w1))}
+    client.close()
+    colo_model = load_model(MODEL)
+    colo_timers = timed_experts(colo_model)
+    pool_models, pool_timers, pool_clients = {}, {}, {}
+    for t in TRANSPORTS:
+        pool_models[t] = load_model(MODEL)
+        pool_clients[t] = attach_expert_pool(pool_models[t], shards, transport=t)
+        pool_timers[t] = timed_experts(pool_models[t])
+    # one MoE layer call alone with a realistic 32-token batch (router choices of random inputs)
+    colo_moe = colo_model.model.layers[layer_id].block_sparse_moe
+    iso: dict[str, dict] = {}
+    with torch.inference_mode():
+        xs = torch.randn(32, model.config.hidden_size)
+        idx32, w32 = colo_moe.gate(xs)
+        xe = colo_moe.routed_expert_down_proj(xs)
+        y_colo = colo_moe.expert_fn.fn(xe, idx32, w32, colo_moe.experts)
+        iso["colocated"] = {"call_ms": _ms_p50(lambda: colo_moe.expert_fn.fn(xe, idx32, w32, colo_moe.experts), 20)}
+        for t in TRANSPORTS:
+            moe = pool_models[t].model.layers[layer_id].block_sparse_moe
+            y = moe.expert_fn.fn(xe, idx32, w32, moe.experts)  # warm (connections open)
+            s0 = _shard_stats(shards)
+            call_ms = _ms_p50(lambda: moe.expert_fn.fn(xe, idx32, w32, moe.experts), 20)
+            s1 = _shard_stats(shards)
+            compute = [1e3 * (b["compute_s"] - a["compute_s"]) / 20 for a, b in zip(s0, s1)]
+            iso[t] = {"call_ms": call_ms, "shard_compute_ms": compute,
+                      "transport_and_split_ms": call_ms - max(compute),
+                      "max_abs_diff_vs_colocated": float((y - y_colo).abs().max())}
+    runs: dict[str, list[dict]] = {"colocated": [], **{t: [] for t in TRANSPORTS}}
+    cpu: dict[str, list[dict]] = {t: [] for t in TRANSPORTS}
+    for _ in range(2):
+        runs["colocated"].append(engine_run(colo_model, tok, texts, n_dec, timers=colo_timers))
+        for t in TRANSPORTS:
+            c0 = cpu_by_component()
+            runs[t].append(engine_run(pool_models[t], tok, texts, n_dec, timers=pool_timers[t]))
+            cpu[t].append(cpu_delta(c0, cpu_by_component()))
+    n_moe = len(colo_timers)
+    out = {"moe_layers": n_moe, "decode_tokens_per_request": n_dec, "rtt": rtt, "isolated_call": iso,
+           "client_counts": {t: pool_clients[t].stats() for t in TRANSPORTS}}
+    for k, rs in runs.items():
+        step = statistics.median(r["decode_step_ms"] for r in rs)
+        expert = statistics.median(r["expert_ms_per_step"] for r in rs)
+        out[k] = {"decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in rs), "step_ms": step,
+                  "expert_ms_per_step": expert, "non_expert_ms_per_step": step - expert, "expert_call_ms": expert / n_moe,
+                  "texts_equal_colocated": sum(a == b for a, b in zip(rs[-1]["texts"], runs["colocated"][-1]["texts"])),
+                  "runs_decode_tokens_per_s": [r["decode_tokens_per_s"] for r in rs]}
+        if k in cpu:
+            out[k]["cpu_s_by_component"] = cpu[k]
+            out[k]["wall_s"] = [r["wall_s"] for r in rs]
+            out[k]["ratio"] = out[k]["decode_tokens_per_s"] / out["colocated"]["decode_tokens_per_s"]
+    for t in TRANSPORTS:
+        pool_clients[t].close()
+    print(f"d in-process decode tok/s at 32: colocated {out['colocated']['decode_tokens_per_s']:.0f}, "
+          + ", ".join(f"pool/{t} {out[t]['decode_tokens_per_s']:.0f} ({out[t]['ratio']:.2f}x, step {out[t]['step_ms']:.1f} ms, "
+                      f"experts {out[t]['expert_ms_per_step']:.1f} ms)" for t in TRANSPORTS), flush=True)
+    return out
+
+
+def expert_pool_http(base: str, key: str, texts: list[str], max_tokens: int, colocated: dict) -> dict:
+    """Section d through HTTP: 32 streams on ``/pool`` (direct transport) vs the colocated wave ``colocated``."""
+    hp = http_wave(base + "/pool", key, [(NAME, p) for p in texts], max_tokens)
+    out = {"colocated": colocated["decode_tokens_per_s"], "pool": hp["decode_tokens_per_s"],
+           "ratio": hp["decode_tokens_per_s"] / colocated["decode_tokens_per_s"],
+           "colocated_end_to_end": colocated["tokens_per_s"], "pool_end_to_end": hp["tokens_per_s"],
+           "pool_texts_equal_colocated": sum(a["text"] == b["text"] for a, b in zip(hp["requests"], colocated["requests"]))}
+    print(f"d HTTP decode tok/s at 32: colocated {out['colocated']:.0f}, pool (direct) {out['pool']:.0f} "
+          f"({out['ratio']:.2f}x)", flush=True)
+    return out
+
+
+def expert_pool_rows(d: dict, dh: dict | None) -> list[dict]:
+    rows = [{"measurement": f"d. in-process, real expert-pool deployments ({t} transport): pool vs colocated decode "
+                            f"tokens/s at 32", "platform": d[t]["decode_tokens_per_s"],
+             "in_process": d["colocated"]["decode_tokens_per_s"], "ratio": d[t]["ratio"],
+             "target": ">= 0.5" if t == "direct" else "(reference)", "met": d[t]["ratio"] >= 0.5 if t == "direct" else ""}
+            for t in TRANSPORTS]
+    if dh:
+        rows.append({"measurement": "d. HTTP (direct transport): /pool vs / decode tokens/s at 32 streams", "platform": dh["pool"],
+                     "in_process": dh["colocated"], "ratio": dh["ratio"], "target": ">= 0.5", "met": dh["ratio"] >= 0.5})
+    return rows
+
+
+def expert_pool_notes(d: dict, dh: dict | None) -> list[str]:
+    cols = ("colocated", *TRANSPORTS)
+    iso, rtt, n = d["isolated_call"], d["rtt"], d["moe_layers"]
+
+    def row(label, fmt, get):
+        return f"| {label} | " + " | ".join("-" if get(c) is None else fmt.format(get(c)) for c in cols) + " |"
+
+    step_lines = ["| per decode step, 32 sequences | colocated | pool, direct | pool, handle |", "|---|---|---|---|",
+                  row("step (ms)", "{:.1f}", lambda c: d[c]["step_ms"]),
+                  row(f"in the {n} MoE layers' expert function (ms)", "{:.1f}", lambda c: d[c]["expert_ms_per_step"]),
+                  row("per MoE layer call (ms)", "{:.2f}", lambda c: d[c]["expert_call_ms"]),
+                  row("everything else: attention, router, shared expert, norms, engine (ms)", "{:.1f}",
+                      lambda c: d[c]["non_expert_ms_per_step"]),
+                  row("decode tokens/s", "{:.0f}", lambda c: d[c]["decode_tokens_per_s"]),
+                  row("vs colocated", "{:.2f}", lambda c: d[c].get("ratio", 1.0)),
+                  row("texts equal to colocated", "{}/32", lambda c: d[c]["texts_equal_colocated"])]
+    iso_lines = ["| one MoE layer call alone, 32 tokens | colocated | pool, direct | pool, handle |", "|---|---|---|---|",
+                 row("whole call (ms, p50 of 20)", "{:.2f}", lambda c: iso[c]["call_ms"]),
+                 row("expert compute in each shard (ms)", "{}",
+                     lambda c: None if c == "colocated" else ", ".join(f"{x:.2f}" for x in iso[c]["shard_compute_ms"])),
+                 row("transport + split/merge: whole call - slower shard's compute (ms)", "{:.2f}",
+                     lambda c: None if c == "colocated" else iso[c]["transport_and_split_ms"]),
+                 row("max abs difference vs colocated", "{:.1e}",
+                     lambda c: None if c == "colocated" else iso[c]["max_abs_diff_vs_colocated"])]
+
+    def cpu(t, k):
+        return statistics.fmean(x.get(k, 0.0) for x in d[t]["cpu_s_by_component"])
+
+    cpu_text = "; ".join(
+        f"{t}: wall {statistics.fmean(d[t]['wall_s']):.1f} s, this process (engine + client) {cpu(t, 'client (this process)'):.2f}, "
+        + ", ".join(f"expert-pool-{s} {cpu(t, f'pool-mode expert-pool-{s}'):.2f}" for s in range(2))
+        + f", Ray system {cpu(t, 'Ray system (raylet, gcs, idle workers)'):.2f}" for t in TRANSPORTS)
+    return [
+        f"**d.** Expert pool vs colocated at 32 concurrent, in-process Engine using the real `expert-pool-0/1` Serve "
+        f"deployments: direct transport **{d['direct']['ratio']:.2f}** (target >= 0.5), handle transport "
+        f"{d['handle']['ratio']:.2f}"
+        + (f"; through HTTP (`/pool`, direct, vs `/`): **{dh['ratio']:.2f}** (texts equal: {dh['pool_texts_equal_colocated']}/32)"
+           if dh else "") + ". Where the time goes:",
+        "",
+        *step_lines,
+        "",
+        *iso_lines,
+        "",
+        f"Round trips from this process, p50 of 30: a 1-token `run` through the direct transport "
+        f"{rtt['direct_1token_run_ms_p50']:.2f} ms, through a Serve handle {rtt['handle_1token_run_ms_p50']:.2f} ms "
+        f"(an empty handle call, `stats`: {rtt['handle_empty_ms_p50']:.2f} ms). Each decode step makes {n} MoE layer calls "
+        f"one after another; each sends the step's tokens to both shards before reading either reply, so the shards "
+        f"compute concurrently: {n} x {rtt['direct_1token_run_ms_p50']:.2f} = {n * rtt['direct_1token_run_ms_p50']:.1f} ms "
+        f"of transport per step directly, {n} x {rtt['handle_1token_run_ms_p50']:.1f} = "
+        f"{n * rtt['handle_1token_run_ms_p50']:.0f} ms through handles. CPU seconds per pool-mode run: {cpu_text}. "
+        f"Client counts: " + ", ".join(f"{t} {d['client_counts'][t]}" for t in TRANSPORTS) + ".",
+    ]
+
+
+def main_expert_pool_only(args) -> int:
+    """``--only d``: Serve with the colocated standard pool at ``/`` and pool mode at ``/pool``; section d
+    alone, written to ``serving_expert_pool.{json,md}`` (``serving.md`` keeps the full run)."""
+    import ray
+    from ray import serve
+
+    from deployments.config import PlatformConfig
+    from deployments.tenants import TenantRegistry
+    from deployments.up import start
+    from tests.conftest import local_ray_env
+
+    t_start = time.perf_counter()
+    tok, model = load_tokenizer(MODEL), load_model(MODEL)
+    res: dict = {}
+    with local_ray_env(), tempfile.TemporaryDirectory(prefix="bench_serving_") as tmp:
+        reg = TenantRegistry()
+        _, key = reg.add("bench", pools=["standard"], rpm=1_000_000, tpm=1_000_000_000, max_context=8192)
+        reg.save(Path(tmp) / "tenants.yaml")
+        config = PlatformConfig(model=MODEL, model_name=NAME, tenants_file=str(Path(tmp) / "tenants.yaml"),
+                                http_port=free_port(), grpc_port=free_port(), num_slots=32, replica_num_cpus=0.05,
+                                torch_threads=1)
+        config = config.model_copy(update={"pools": {"standard": config.pools["standard"]}})
+        pool_config = config.model_copy(update={"expert_mode": "pool"})
+        base = f"http://127.0.0.1:{config.http_port}"
+        print("starting Ray + Serve (standard pool at /, pool-mode at /pool)...", flush=True)
+        try:
+            start(config, extra_apps=[("pool-mode", "/pool", pool_config)])
+            res["startup_s"] = time.perf_counter() - t_start
+            http_wave(base, key, [(NAME, "def f(x):\n")], 8)
+            http_wave(base + "/pool", key, [(NAME, "def h(z):\n")], 8)
+            p32 = prompts(32, "b")
+            if not args.skip_http_pool:
+                colocated = http_wave(base, key, [(NAME, p) for p in p32], args.max_tokens)
+                res["d_http"] = expert_pool_http(base, key, p32, args.max_tokens, colocated)
+            res["d"] = expert_pool_in_process(model, tok, p32, max(16, args.max_tokens // 2), "pool-mode",
+                                              pool_config.expert_shards)
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+    res["elapsed_s"] = time.perf_counter() - t_start
+    rows = expert_pool_rows(res["d"], res.get("d_http"))
+    for r in rows:
+        for k in ("platform", "in_process", "ratio"):
+            r[k] = r3(r[k])
+    notes = "\n".join([
+        f"Section d of `benchmarks/bench_serving.py` alone: tiny-k3 (random weights), greedy, {args.max_tokens} new tokens "
+        f"per HTTP request ({res['d']['decode_tokens_per_request']} in-process), ignore_eos, torch 1 thread everywhere, one "
+        f"replica per deployment, replica_num_cpus 0.05; 2 shared CPU cores (load average {os.getloadavg()[0]:.1f} at "
+        f"the end; other jobs were running). Whole run {res['elapsed_s']:.0f} s. Columns `platform` / `in_process`: "
+        "pool / colocated.",
+        "",
+        *expert_pool_notes(res["d"], res.get("d_http")),
+    ])
+    command = COMMAND + " --only d"
+    kw = {"out_dir": args.out_dir} if args.out_dir else {}
+    write_report("serving_expert_pool", rows, columns=["measurement", "platform", "in_process", "ratio", "target", "met"],
+                 command=command, title="Expert pool vs colocated on Ray Serve (tiny-k3)", notes=notes, **kw)
+    path = (args.out_dir or ROOT / "benchmarks" / "results") / "serving_expert_pool.json"
+    record = json.loads(Path(path).read_text())
+    record["details"] = res
+    Path(path).write_text(json.dumps(record, indent=2, default=str) + "\n")
+    for r in rows:
+        print(f"{r['measurement'][:90]:90s} {r['platform']!s:>9s} {r['in_process']!s:>9s} ratio {r['ratio']!s:>7s}")
+    print(f"Reproduce: {command}")
+    return 0
+
+
 # -- main --------------------------------------------------------------------------------------
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -310,8 +552,12 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=2, help="interleaved repetitions of the overhead comparison")
     ap.add_argument("--skip-http-pool", action="store_true", help="skip the HTTP expert-pool wave")
     ap.add_argument("--out-dir", type=Path, default=None)
+    ap.add_argument("--only", choices=["d"], default=None,
+                    help="run one section alone (d: expert pool, written to serving_expert_pool.{json,md})")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.only == "d":
+        return main_expert_pool_only(args)
     t_start = time.perf_counter()
     M = args.max_tokens
 
@@ -321,7 +567,6 @@ def main() -> int:
     from deployments.app import build_app
     from deployments.config import PlatformConfig
     from deployments.decode import Decode
-    from deployments.expert_pool import attach_expert_pool
     from deployments.frontend import Frontend
     from deployments.local import LocalBackend
     from deployments.prefill import Prefill
@@ -419,14 +664,7 @@ def main() -> int:
 
             # d (HTTP part, next to the colocated 32-stream wave above) ---------------------------
             if not args.skip_http_pool:
-                hp = http_wave(base + "/pool", key, [(NAME, p) for p in p32], M)
-                res["d_http"] = {"colocated": h32["decode_tokens_per_s"], "pool": hp["decode_tokens_per_s"],
-                                 "ratio": hp["decode_tokens_per_s"] / h32["decode_tokens_per_s"],
-                                 "colocated_end_to_end": h32["tokens_per_s"], "pool_end_to_end": hp["tokens_per_s"],
-                                 "pool_texts_equal_colocated": sum(a["text"] == b["text"] for a, b in
-                                                                   zip(hp["requests"], h32["requests"]))}
-                print(f"d HTTP decode tok/s at 32: colocated {h32['decode_tokens_per_s']:.0f}, "
-                      f"pool {hp['decode_tokens_per_s']:.0f}", flush=True)
+                res["d_http"] = expert_pool_http(base, key, p32, M, h32)
 
             # c. mixed load: 24 standard + 4 highspeed ------------------------------------------
             waves = []
@@ -450,72 +688,7 @@ def main() -> int:
                   f"{lat['highspeed']['tpot_p50_ms']:.1f}", flush=True)
 
             # d. expert pool vs colocated, in-process with the real expert-pool deployments ------------
-            shards = [serve.get_deployment_handle(f"expert-pool-{s}", app_name="pool-mode")
-                      for s in range(pool_config.expert_shards)]
-            rtt = []
-            for _ in range(30):
-                t = time.perf_counter()
-                shards[0].stats.remote().result()
-                rtt.append(time.perf_counter() - t)
-            x1, i1, w1 = torch.randn(1, model.config.routed_expert_hidden_size or model.config.hidden_size), \
-                torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2)
-            layer_id = next(i for i, l in enumerate(model.model.layers) if hasattr(l, "block_sparse_moe"))
-            tiny = []
-            for _ in range(30):
-                t = time.perf_counter()
-                shards[0].run.remote(layer_id, x1, i1, w1).result()
-                tiny.append(time.perf_counter() - t)
-            pool_model = load_model(MODEL)
-            attach_expert_pool(pool_model, shards)
-            pool_timers = timed_experts(pool_model)
-            colo_model = load_model(MODEL)
-            colo_timers = timed_experts(colo_model)
-            # one MoE layer call in isolation with a realistic 32-token batch (router choices of random inputs)
-            moe0 = pool_model.model.layers[layer_id].block_sparse_moe
-            colo_moe0 = colo_model.model.layers[layer_id].block_sparse_moe
-            with torch.inference_mode():
-                xs = torch.randn(32, model.config.hidden_size)
-                idx32, w32 = colo_moe0.gate(xs)
-                xe = colo_moe0.routed_expert_down_proj(xs)
-                iso_remote, iso_colo = [], []
-                for _ in range(20):
-                    t = time.perf_counter()
-                    y_remote = moe0.expert_fn.fn(xe, idx32, w32, moe0.experts)
-                    iso_remote.append(time.perf_counter() - t)
-                    t = time.perf_counter()
-                    y_colo = colo_moe0.expert_fn.fn(xe, idx32, w32, colo_moe0.experts)
-                    iso_colo.append(time.perf_counter() - t)
-            iso_diff = float((y_remote - y_colo).abs().max())
-            d_pool, d_colo, d_cpu = [], [], []
-            n_dec = max(16, M // 2)
-            for _ in range(2):
-                d_colo.append(engine_run(colo_model, tok, p32, n_dec, timers=colo_timers))
-                c0 = cpu_by_component()
-                d_pool.append(engine_run(pool_model, tok, p32, n_dec, timers=pool_timers))
-                d_cpu.append(cpu_delta(c0, cpu_by_component()))
-            dp = statistics.median(r["decode_tokens_per_s"] for r in d_pool)
-            dc = statistics.median(r["decode_tokens_per_s"] for r in d_colo)
-            step_p = statistics.median(r["decode_step_ms"] for r in d_pool)
-            step_c = statistics.median(r["decode_step_ms"] for r in d_colo)
-            exp_p = statistics.median(r["expert_ms_per_step"] for r in d_pool)
-            exp_c = statistics.median(r["expert_ms_per_step"] for r in d_colo)
-            n_moe = len(pool_timers)
-            res["d"] = {"colocated": dc, "pool": dp, "ratio": dp / dc, "step_ms_colocated": step_c, "step_ms_pool": step_p,
-                        "expert_ms_colocated": exp_c, "expert_ms_pool": exp_p,
-                        "non_expert_ms_colocated": step_c - exp_c, "non_expert_ms_pool": step_p - exp_p,
-                        "moe_layers": n_moe, "remote_call_ms": exp_p / n_moe, "colocated_expert_call_ms": exp_c / n_moe,
-                        "handle_rtt_empty_ms_p50": 1e3 * statistics.median(rtt),
-                        "handle_rtt_1token_run_ms_p50": 1e3 * statistics.median(tiny),
-                        "texts_equal": sum(a == b for a, b in zip(d_pool[-1]["texts"], d_colo[-1]["texts"])),
-                        "decode_tokens_per_request": n_dec,
-                        "isolated_call_ms_remote": 1e3 * statistics.median(iso_remote),
-                        "isolated_call_ms_colocated": 1e3 * statistics.median(iso_colo),
-                        "isolated_call_max_abs_diff": iso_diff,
-                        "pool_run_cpu_s_by_component": d_cpu,
-                        "pool_run_wall_s": [r["wall_s"] for r in d_pool],
-                        "pool_run_steps": [r["decode_steps"] + 1 for r in d_pool]}
-            print(f"d in-process decode tok/s at 32: colocated {dc:.0f}, pool {dp:.0f} ({dp / dc:.2f}x); step "
-                  f"{step_c:.1f} vs {step_p:.1f} ms, experts {exp_c:.1f} vs {exp_p:.1f} ms/step", flush=True)
+            res["d"] = expert_pool_in_process(model, tok, p32, max(16, M // 2), "pool-mode", pool_config.expert_shards)
         finally:
             serve.shutdown()
             ray.shutdown()
@@ -538,12 +711,8 @@ def main() -> int:
         {"measurement": "c. mixed 24+4: TPOT p50 ms, standard vs highspeed (client)", "platform": c["standard"]["tpot_p50_ms"],
          "in_process": c["highspeed"]["tpot_p50_ms"], "ratio": c["standard"]["tpot_p50_ms"] / c["highspeed"]["tpot_p50_ms"],
          "target": "highspeed lower", "met": c["highspeed"]["tpot_p50_ms"] < c["standard"]["tpot_p50_ms"]},
-        {"measurement": "d. in-process, real expert-pool deployments: pool vs colocated decode tokens/s at 32",
-         "platform": d["pool"], "in_process": d["colocated"], "ratio": d["ratio"], "target": ">= 0.5", "met": d["ratio"] >= 0.5},
+        *expert_pool_rows(d, dh),
     ]
-    if dh:
-        rows.append({"measurement": "d. HTTP: /pool vs / decode tokens/s at 32 streams", "platform": dh["pool"],
-                     "in_process": dh["colocated"], "ratio": dh["ratio"], "target": ">= 0.5", "met": dh["ratio"] >= 0.5})
     for r in rows:
         for k in ("platform", "in_process", "ratio"):
             r[k] = r3(r[k])
@@ -570,13 +739,6 @@ def main() -> int:
                      f"{cpu_total:.2f} | {1e3 * cpu_total / ntok:.2f} |")
     cpu_lines.append(f"| in-process Engine, same 16 requests | {statistics.fmean(a['engine_cpu_s']):.2f} | "
                      f"{1e3 * statistics.fmean(a['engine_cpu_s']) / ntok:.2f} |")
-    d_lines = ["| per decode step, 32 sequences | colocated | expert pool |", "|---|---|---|",
-               f"| step (ms) | {d['step_ms_colocated']:.1f} | {d['step_ms_pool']:.1f} |",
-               f"| in the {d['moe_layers']} MoE layers' expert function (ms) | {d['expert_ms_colocated']:.1f} | {d['expert_ms_pool']:.1f} |",
-               f"| per MoE layer call (ms) | {d['colocated_expert_call_ms']:.2f} | {d['remote_call_ms']:.2f} |",
-               f"| everything else: attention, router, shared expert, norms, engine (ms) | {d['non_expert_ms_colocated']:.1f} | "
-               f"{d['non_expert_ms_pool']:.1f} |",
-               f"| decode tokens/s | {d['colocated']:.0f} | {d['pool']:.0f} |"]
     notes = "\n".join([
         f"tiny-k3 (random weights), greedy, {M} new tokens per request (d in-process: {d['decode_tokens_per_request']}), "
         f"ignore_eos, torch 1 thread everywhere, one replica per deployment, replica_num_cpus 0.05; 2 shared CPU "
@@ -604,36 +766,12 @@ def main() -> int:
         "",
         *lat_lines,
         "",
-        f"**d.** Expert pool vs colocated at 32 concurrent, in-process Engine using the real `expert-pool-0/1` "
-        f"Serve deployments: **{d['ratio']:.2f}** (target >= 0.5)"
-        + (f"; through HTTP (`/pool` vs `/`): {dh['ratio']:.2f} (texts equal: {dh['pool_texts_equal_colocated']}/32)" if dh else "")
-        + f". In-process texts equal: {d['texts_equal']}/32. Where the time goes:",
-        "",
-        *d_lines,
-        "",
-        f"One MoE layer call alone with 32 tokens: remote {d['isolated_call_ms_remote']:.2f} ms vs colocated "
-        f"{d['isolated_call_ms_colocated']:.2f} ms (max abs difference {d['isolated_call_max_abs_diff']:.1e}). "
-        f"CPU seconds per pool-mode run (wall {statistics.fmean(d['pool_run_wall_s']):.1f} s, "
-        f"{statistics.fmean(d['pool_run_steps']):.0f} steps): "
-        + ", ".join(f"{label} {statistics.fmean(x.get(k, 0.0) for x in d['pool_run_cpu_s_by_component']):.2f}"
-                    for k, label in (("client (this process)", "this process (engine + handles)"),
-                                     ("pool-mode expert-pool-0", "expert-pool-0"),
-                                     ("pool-mode expert-pool-1", "expert-pool-1"),
-                                     ("Ray system (raylet, gcs, idle workers)", "Ray system")))
-        + ". "
-        f"Each remote MoE layer call sends the step's tokens to both shards concurrently and waits for both "
-        f"(`.remote().result()`); {d['moe_layers']} such round trips per step run one after another. An empty "
-        f"handle call (`stats`) takes {d['handle_rtt_empty_ms_p50']:.2f} ms p50 from this process, a 1-token `run` "
-        f"{d['handle_rtt_1token_run_ms_p50']:.2f} ms: "
-        f"{d['moe_layers']} x {d['handle_rtt_1token_run_ms_p50']:.1f} = "
-        f"{d['moe_layers'] * d['handle_rtt_1token_run_ms_p50']:.0f} ms per step is transport before any expert "
-        f"compute; the remote expert time per step exceeds the colocated one by "
-        f"{d['expert_ms_pool'] - d['expert_ms_colocated']:.1f} ms.",
+        *expert_pool_notes(d, dh),
     ])
 
     def plot(ax, _rows):
         names = ["a HTTP/engine", "b 32 vs 1", "d pool/colocated"]
-        got = [a["ratio"], b["ratio"], d["ratio"]]
+        got = [a["ratio"], b["ratio"], d["direct"]["ratio"]]
         tgt = [0.8, 8.0, 0.5]
         xs = np.arange(len(names))
         ax.bar(xs - 0.2, got, 0.4, label="measured")

@@ -63,6 +63,10 @@ class PlatformConfig(_Strict):
     pools: dict[str, PoolConfig] = Field(default_factory=_default_pools, description="service tiers by name")
     expert_mode: Literal["colocated", "pool"] = Field("colocated", description="routed experts in the prefill/decode replica, or in expert-pool deployments")
     expert_shards: int = Field(2, gt=0, description="expert-pool deployments (experts sharded by id) when expert_mode is 'pool'")
+    expert_transport: Literal["direct", "handle"] = Field("direct", description="expert-pool data plane: a persistent TCP connection per shard (deployments/expert_transport.py), or a Serve handle call per MoE layer and shard (the reference; also the fallback of 'direct')")
+    expert_transport_host: str = Field("127.0.0.1", description="address each expert-pool replica's data plane binds and advertises; '0.0.0.0' binds every interface and advertises the replica's Ray node IP (in Kubernetes: the pod IP)")
+    expert_transport_port: int = Field(0, ge=0, le=65535, description="0: an ephemeral port per replica; else shard s listens on this port + s (a fixed range to open in a firewall or a pod spec)")
+    expert_transport_timeout_s: float = Field(30.0, gt=0, description="socket timeout of one expert-pool frame (connect, send, reply)")
     num_slots: int = Field(32, gt=0, description="state slots per prefill/decode replica")
     max_model_len: int = Field(8192, gt=0, description="longest prompt + output, tokens")
     replica_num_cpus: float = Field(0.1, gt=0, description="Ray CPUs reserved per replica (fractional: this is one machine)")
@@ -88,6 +92,8 @@ class PlatformConfig(_Strict):
         name = self.public_model_name
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name) or name.endswith(HIGHSPEED_SUFFIX):
             raise ValueError(f"model_name {name!r} is not a valid model id")
+        if self.expert_transport_port and self.expert_transport_port + self.expert_shards - 1 > 65535:
+            raise ValueError(f"expert_transport_port {self.expert_transport_port} + expert_shards {self.expert_shards} - 1 exceeds 65535")
         return self
 
     @property

@@ -17,8 +17,10 @@ class EngineReplica:
         self.config, self.pool = config, pool
         tracing.setup_tracing(f"deltaserve-{kind}-{pool}", memory=config.trace_memory)
         model, self.tokenizer = load_replica_model(config)
+        self.expert_pool = None
         if expert_shards:
-            attach_expert_pool(model, expert_shards)
+            self.expert_pool = attach_expert_pool(model, expert_shards, transport=config.expert_transport,
+                                                  timeout_s=config.expert_transport_timeout_s)
         self.fingerprint = model.config.fingerprint()
         self.engine = Engine(
             ModelRunner(model, num_slots),
@@ -33,7 +35,10 @@ class EngineReplica:
         self.plan = CheckpointPlan(config.cache.block_size, config.cache.checkpoint_every)
 
     def stats(self) -> dict:
-        return {"replica": self.replica, **vars(self.engine.stats)}
+        out = {"replica": self.replica, **vars(self.engine.stats)}
+        if self.expert_pool is not None:
+            out["expert_pool"] = self.expert_pool.stats()
+        return out
 
     def cache_stats(self) -> dict:
         return {"replica": self.replica, **(self.cache.stats() if self.cache else {"enabled": False})}

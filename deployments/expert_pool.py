@@ -3,78 +3,256 @@
 Shard ``s`` of ``S`` owns experts ``e`` with ``e % S == s`` in every MoE layer. A prefill or
 decode replica in pool mode keeps attention, router, shared experts and the latent
 projections, and for each MoE layer sends the step's tokens (all sequences of the batch
-together) to every shard owning one of their chosen experts, concurrently, then sums the
-partial outputs. Weights of experts a shard does not own are zeroed on the way, so each
-token's result equals the colocated path's.
+together) to every shard owning one of their chosen experts, all shards first, then reads
+the replies, and sums the partial outputs. Weights of experts a shard does not own are zeroed
+on the way, so each token's result equals the colocated path's.
+
+Serve is the control plane (placement, restarts, ``endpoint()``); the data plane is either a
+persistent TCP connection per shard (``expert_transport: direct``, :mod:`.expert_transport`) or
+a Serve handle call per layer and shard (``handle``: the reference, and the fallback of
+``direct`` when a connection cannot be re-established).
 """
 
 from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import weakref
 
 import torch
 
 from model.layers.moe import SparseMoE, run_experts
 
 from .config import PlatformConfig
+from .expert_transport import ExpertClient, ExpertEndpoint, ExpertServer, FrameLimits, RemoteExpertError, TransportError
 from .replica import load_replica_model, replica_id
 
 
 class ExpertShard:
-    """Holds the experts of one shard; `run` computes their weighted sum for a batch of tokens."""
+    """Holds the experts of one shard; `run` (handle) and the data-plane server compute their
+    weighted sum for a batch of tokens."""
 
     def __init__(self, config: PlatformConfig, shard: int, num_shards: int) -> None:
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard {shard} is outside 0..{num_shards - 1}")
         model, _ = load_replica_model(config)
         self.shard, self.num_shards = shard, num_shards
-        self.layers: dict[int, torch.nn.ModuleList] = {}
+        self.num_experts = model.config.num_experts
+        self.layers: dict[int, torch.nn.ModuleList] = {}  # all experts, by global id
+        self.local: dict[int, torch.nn.ModuleList] = {}  # the owned experts, by local id e // S
+        dim = model.config.hidden_size
         for i, layer in enumerate(model.model.layers):
             moe = getattr(layer, "block_sparse_moe", None)
             if isinstance(moe, SparseMoE):
-                self.layers[i] = moe.experts  # non-owned experts are never called (their weight is 0)
+                self.layers[i] = moe.experts
+                self.local[i] = torch.nn.ModuleList(moe.experts[e] for e in range(shard, self.num_experts, num_shards))
+                dim = moe.latent or dim
         self.replica = replica_id()
-        self.calls = 0
-        self.tokens = 0
+        self._lock = threading.Lock()
+        self.counts = {"direct_calls": 0, "handle_calls": 0, "tokens": 0, "compute_s": 0.0}  # compute_s: in run_experts
+        self.server: ExpertServer | None = None
+        if config.expert_transport == "direct":
+            run = weakref.WeakMethod(self._run_direct)  # the server's threads must not keep the shard alive
+
+            def handler(layer: int, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+                fn = run()
+                if fn is None:
+                    raise RuntimeError("expert shard is gone")
+                return fn(layer, x, idx, w)
+
+            host = config.expert_transport_host
+            port = config.expert_transport_port + shard if config.expert_transport_port else 0
+            self.server = ExpertServer(handler, FrameLimits(dim=dim, layers=frozenset(self.layers)), host=host, port=port,
+                                       advertise_host=_advertised_host(host), io_timeout_s=config.expert_transport_timeout_s)
+            self._finalizer = weakref.finalize(self, self.server.close)  # also at interpreter exit
+
+    def endpoint(self) -> ExpertEndpoint:
+        """Where this replica's data plane listens (host, port, secret token)."""
+        if self.server is None:
+            raise RuntimeError(f"expert-pool shard {self.shard} runs with expert_transport 'handle': no direct endpoint")
+        return self.server.endpoint
+
+    def run(self, layer: int, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The handle path: Σ_j w[t,j] · expert idx[t,j] (x[t]).
+
+        x [n, D] fp32, idx [n, k] global expert ids (all owned by this shard), w [n, k] fp32 (0 where
+        another shard owns the expert) → [n, D] fp32."""
+        return self._run(layer, x, idx, w, "handle_calls")
+
+    def _run_direct(self, layer: int, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self._run(layer, x, idx, w, "direct_calls")
 
     @torch.inference_mode()
-    def run(self, layer: int, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x [n, D], idx [n, k], w [n, k] (0 where another shard owns the expert) → [n, D]."""
+    def _run(self, layer: int, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, via: str) -> torch.Tensor:
         if layer not in self.layers:
             raise ValueError(f"layer {layer} has no routed experts (MoE layers: {sorted(self.layers)})")
+        if idx.numel() and not (0 <= int(idx.min()) and int(idx.max()) < self.num_experts):
+            raise ValueError(f"expert ids must be in 0..{self.num_experts - 1}, got {int(idx.min())}..{int(idx.max())}")
         own = (idx % self.num_shards) == self.shard
         if not bool(own.all()):
             raise ValueError(f"shard {self.shard} got tokens routed to experts it does not own")
-        self.calls += 1
-        self.tokens += x.shape[0]
-        return run_experts(x, idx, w, self.layers[layer])
+        t = time.perf_counter()
+        # The [n, k] layout of the colocated call. run_experts picks its path by assignments vs experts
+        # (paths round differently): the owned experts alone (E / S, the batched path computes only
+        # those) when all experts would take the same batched path, else all of them.
+        if 2 * idx.numel() > self.num_experts:
+            out = run_experts(x, idx // self.num_shards, w, self.local[layer])
+        else:
+            out = run_experts(x, idx, w, self.layers[layer])
+        with self._lock:
+            self.counts[via] += 1
+            self.counts["tokens"] += x.shape[0]
+            self.counts["compute_s"] += time.perf_counter() - t
+        return out
 
     def stats(self) -> dict:
-        return {"replica": self.replica, "shard": self.shard, "calls": self.calls, "tokens": self.tokens}
+        with self._lock:
+            counts = dict(self.counts)
+        return {"replica": self.replica, "shard": self.shard, "calls": counts["direct_calls"] + counts["handle_calls"],
+                **counts, "transport": "direct" if self.server else "handle"}
+
+    def close(self) -> None:
+        """Stop the data-plane server (idempotent; also when the shard is collected or at exit)."""
+        if getattr(self, "server", None) is not None:  # __init__ may have failed before the server
+            self._finalizer()
+
+    def __del__(self) -> None:  # Serve calls it when the replica shuts down
+        self.close()
 
 
-class RemoteExperts:
-    """Drop-in for `run_experts` inside one MoE layer: dispatch to the shard deployments."""
+def _advertised_host(host: str) -> str:
+    """The address clients dial: ``host``, or this node's IP when binding every interface."""
+    if host not in ("0.0.0.0", ""):
+        return host
+    import ray.util
 
-    def __init__(self, shards: list, layer: int) -> None:
-        self.shards, self.layer = shards, layer
+    return ray.util.get_node_ip_address()
 
-    def __call__(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts) -> torch.Tensor:
-        S = len(self.shards)
-        owner = idx % S  # [T, k]
-        pending = []
-        for s, shard in enumerate(self.shards):
-            mine = owner == s
-            rows = mine.any(1).nonzero().squeeze(1)
-            if rows.numel() == 0:
-                continue
-            # a token's other experts are sent with the shard's own expert id and weight 0: their
-            # contribution is exactly 0 and the shard only ever runs experts it owns.
-            sub_idx = _own_fill(idx[rows], mine[rows])
-            sub_w = torch.where(mine[rows], w[rows], torch.zeros_like(w[rows]))
-            pending.append((rows, shard.run.remote(self.layer, x[rows].contiguous(), sub_idx, sub_w)))
-        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        for rows, response in pending:
-            out.index_add_(0, rows, response.result().to(out.device, torch.float32))
-        return out.to(x.dtype)
+
+class ExpertPoolClient:
+    """A prefill/decode replica's side of the expert pool: one MoE layer's tokens to the shards.
+
+    ``direct``: one persistent :class:`ExpertClient` per shard, its endpoint resolved once through
+    the shard's handle. A failed connection is re-resolved and retried once; if that fails too, the
+    call goes through the handle (no request is lost) and the shard stays on the handle path for
+    :attr:`RETRY_DIRECT_AFTER_S`. An error the shard raises is raised here, naming shard and layer.
+    Thread-safe: a lock per connection, taken in shard order.
+    """
+
+    RETRY_DIRECT_AFTER_S = 5.0
+
+    def __init__(self, shards: list, *, transport: str = "direct", timeout_s: float = 30.0) -> None:
+        if transport not in ("direct", "handle"):
+            raise ValueError(f"transport must be 'direct' or 'handle', got {transport!r}")
+        self.shards, self.transport, self.timeout_s = shards, transport, timeout_s
+        self._conns: list[ExpertClient | None] = [None] * len(shards)
+        self._locks = [threading.Lock() for _ in shards]
+        self._down_until = [0.0] * len(shards)
+        self._stats_lock = threading.Lock()
+        self.counts = {"direct_calls": 0, "handle_calls": 0, "reconnects": 0, "fallbacks": 0}
+
+    def run(self, layer: int, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Σ over shards of their experts' weighted outputs: x [T, D], idx [T, k], w [T, k] → [T, D] in x's dtype."""
+        xf = x.detach().to("cpu", torch.float32)
+        parts = [(s, rows, xf[rows].contiguous(), sub_idx, sub_w)
+                 for s, rows, sub_idx, sub_w in shard_parts(idx.cpu(), w.detach().to("cpu", torch.float32), len(self.shards))]
+        got = self._direct(layer, parts) if self.transport == "direct" else {}
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
+        for s, rows, xs, sub_idx, sub_w in parts:
+            y = got.get(s)
+            if y is None:
+                y = self.shards[s].run.remote(layer, xs, sub_idx, sub_w).result().to("cpu", torch.float32)
+                self._count("handle_calls")
+            out.index_add_(0, rows, y)
+        return out.to(x.device, x.dtype)
+
+    def stats(self) -> dict:
+        with self._stats_lock:
+            return {"transport": self.transport, **self.counts}
+
+    def close(self) -> None:
+        for s in range(len(self.shards)):
+            with self._locks[s]:
+                self._drop(s)
+
+    def _direct(self, layer: int, parts: list) -> dict[int, torch.Tensor]:
+        """Replies of the shards reachable directly: every frame is sent before any reply is read."""
+        now = time.monotonic()
+        parts = [p for p in parts if self._down_until[p[0]] <= now]
+        got: dict[int, torch.Tensor] = {}
+        with contextlib.ExitStack() as held:
+            for s, *_ in parts:  # ascending shard order: concurrent callers never wait in a cycle
+                held.enter_context(self._locks[s])
+            sent = []
+            for s, _, xs, sub_idx, sub_w in parts:
+                try:
+                    self._connection(s).send(layer, xs, sub_idx, sub_w)
+                    sent.append((s, xs))
+                except TransportError:
+                    self._drop(s)
+            error = None
+            for s, xs in sent:
+                try:
+                    got[s] = self._conns[s].recv(*xs.shape)
+                except RemoteExpertError as e:  # keep reading the other replies: their connections stay in sync
+                    error = error or RemoteExpertError(f"expert-pool shard {s} failed on layer {layer}: {e}")
+                except TransportError:
+                    self._drop(s)
+            if error is not None:
+                raise error
+            for s, _, xs, sub_idx, sub_w in parts:
+                if s in got:
+                    continue
+                self._drop(s)
+                try:
+                    conn = self._connection(s)  # resolves the endpoint again: the replica may have moved
+                    conn.send(layer, xs, sub_idx, sub_w)
+                    got[s] = conn.recv(*xs.shape)
+                    self._count("reconnects")
+                except RemoteExpertError as e:
+                    raise RemoteExpertError(f"expert-pool shard {s} failed on layer {layer}: {e}") from None
+                except TransportError:
+                    self._drop(s)
+                    self._down_until[s] = time.monotonic() + self.RETRY_DIRECT_AFTER_S
+                    self._count("fallbacks")
+        self._count("direct_calls", len(got))
+        return got
+
+    def _connection(self, s: int) -> ExpertClient:
+        """Shard ``s``'s connection, opened (endpoint resolved through its handle) if there is none."""
+        if self._conns[s] is None:
+            try:
+                endpoint = self.shards[s].endpoint.remote().result(timeout_s=self.timeout_s)
+            except Exception as e:  # Ray raises many types here (replica gone, timeout, no endpoint)
+                raise TransportError(f"cannot resolve expert-pool shard {s}'s endpoint: {type(e).__name__}: {e}") from e
+            self._conns[s] = ExpertClient(endpoint, timeout_s=self.timeout_s)
+        return self._conns[s]
+
+    def _drop(self, s: int) -> None:
+        conn, self._conns[s] = self._conns[s], None
+        if conn is not None:
+            conn.close()
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._stats_lock:
+            self.counts[key] += n
+
+
+def shard_parts(idx: torch.Tensor, w: torch.Tensor, num_shards: int) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(shard, rows, idx [n, k], w [n, k]) per shard owning one of the rows' experts.
+
+    A row's experts owned by another shard are sent as the shard's own first expert with weight 0:
+    their contribution is exactly 0 and a shard only ever runs experts it owns."""
+    owner = idx % num_shards  # [T, k]
+    out = []
+    for s in range(num_shards):
+        mine = owner == s
+        rows = mine.any(1).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            continue
+        out.append((s, rows, _own_fill(idx[rows], mine[rows]), torch.where(mine[rows], w[rows], torch.zeros_like(w[rows]))))
+    return out
 
 
 def _own_fill(idx: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
@@ -83,10 +261,23 @@ def _own_fill(idx: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
     return torch.where(mine, idx, first.expand_as(idx))
 
 
-def attach_expert_pool(model, shards: list) -> None:
-    """Route every MoE layer's experts of ``model`` to the shard deployments (handles)."""
+class RemoteExperts:
+    """Drop-in for `run_experts` inside one MoE layer: dispatch through the pool client."""
+
+    def __init__(self, pool: ExpertPoolClient, layer: int) -> None:
+        self.pool, self.layer = pool, layer
+
+    def __call__(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts) -> torch.Tensor:
+        return self.pool.run(self.layer, x, idx, w)
+
+
+def attach_expert_pool(model, shards: list, *, transport: str = "direct", timeout_s: float = 30.0) -> ExpertPoolClient:
+    """Route every MoE layer's experts of ``model`` to the shard deployments (handles); one
+    :class:`ExpertPoolClient` (one connection per shard) serves all layers."""
+    pool = ExpertPoolClient(shards, transport=transport, timeout_s=timeout_s)
     for i, layer in enumerate(model.model.layers):
         moe = getattr(layer, "block_sparse_moe", None)
         if isinstance(moe, SparseMoE):
-            moe.expert_fn = RemoteExperts(shards, i)
+            moe.expert_fn = RemoteExperts(pool, i)
             moe.experts = torch.nn.ModuleList()  # the replica no longer holds routed experts
+    return pool

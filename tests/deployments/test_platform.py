@@ -100,6 +100,59 @@ def test_expert_pool_mode_gives_the_same_tokens(platform, reference):
     assert out.choices[0].text == _text(reference("class A:", 10))
 
 
+def _pool_stats() -> tuple[list[dict], dict]:
+    """Stats of both expert-pool shards, and the expert-pool clients' counts of pool-mode's prefill
+    and decode replicas."""
+    from ray import serve
+
+    shards = [serve.get_deployment_handle(f"expert-pool-{s}", app_name="pool-mode").stats.remote().result() for s in range(2)]
+    return shards, {kind: serve.get_deployment_handle(f"{kind}-standard", app_name="pool-mode").stats.remote().result()["expert_pool"]
+                    for kind in ("prefill", "decode")}
+
+
+def test_expert_pool_uses_the_direct_transport(platform, reference):
+    shards0, clients0 = _pool_stats()
+    out = _client(platform, prefix="/pool").completions.create(model="tiny", prompt="def pool():", max_tokens=6,
+                                                               temperature=0, extra_body={"ignore_eos": True})
+    assert out.choices[0].text == _text(reference("def pool():", 6))
+    shards1, clients1 = _pool_stats()
+    for before, after in zip(shards0, shards1):
+        assert after["transport"] == "direct"
+        assert after["direct_calls"] > before["direct_calls"] and after["handle_calls"] == before["handle_calls"]
+    sent = {k: clients1[k]["direct_calls"] - clients0[k]["direct_calls"] for k in clients1}
+    # every frame a client sent was served by a shard's data plane, none through a handle
+    assert sum(a["direct_calls"] - b["direct_calls"] for a, b in zip(shards1, shards0)) == sent["prefill"] + sent["decode"]
+    # 5 decode steps (the first token comes from prefill) x 7 MoE layers, each reaching one or both shards
+    assert 5 * 7 <= sent["decode"] <= 5 * 7 * 2
+    for c in clients1.values():
+        assert c["transport"] == "direct" and c["handle_calls"] == c["fallbacks"] == 0
+
+
+def test_expert_pool_reconnects_to_a_restarted_shard(platform, reference):
+    import ray
+
+    def replicas() -> list[str]:
+        return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith("SERVE_REPLICA::pool-mode#expert-pool-0#")]
+
+    _client(platform, prefix="/pool").completions.create(model="tiny", prompt="x", max_tokens=2)  # connections open
+    (victim,) = replicas()
+    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+    deadline = time.time() + 120
+    while not (replicas() and victim not in replicas()):
+        assert time.time() < deadline, "Serve did not replace the killed expert-pool replica"
+        time.sleep(0.2)
+    _, clients0 = _pool_stats()
+    out = _client(platform, prefix="/pool").completions.create(model="tiny", prompt="class B:", max_tokens=6,
+                                                               temperature=0, extra_body={"ignore_eos": True})
+    assert out.choices[0].text == _text(reference("class B:", 6))
+    shards, clients1 = _pool_stats()
+    assert shards[0]["direct_calls"] > 0 and shards[0]["handle_calls"] == 0  # the new replica, reached directly
+    for kind in ("prefill", "decode"):  # each replica's stale connection failed once, was re-resolved, reused
+        assert clients1[kind]["reconnects"] - clients0[kind]["reconnects"] == 1, kind
+        assert clients1[kind]["fallbacks"] == 0
+
+
 def test_streaming_completions_and_chat(platform, reference):
     client = _client(platform)
     chunks = list(client.completions.create(model="tiny", prompt="import os\n", max_tokens=9, temperature=0, stream=True,

@@ -1,0 +1,379 @@
+"""The expert pool's data plane: one MoE layer's tokens to a shard and its partial output back,
+over a persistent TCP connection (Serve stays the control plane: it places the shards and hands
+out their :class:`ExpertEndpoint`).
+
+Wire format (little-endian, no pickle; every header field is checked before any body is read)::
+
+    client ─► HELLO  header(type=HELLO, n=TOKEN_BYTES)  token bytes          once per connection
+           ◄─ reply  header(status OK | ERROR)          [error text]         ERROR: server closes
+    client ─► RUN    header(type=RUN, layer, n, D, k, dtypes)
+                     x fp32 [n, D] · idx int64 [n, k] · w fp32 [n, k]        raw, C order
+           ◄─ reply  header(status OK, n, D, nbytes)    out fp32 [n, D]
+                  or header(status ERROR, nbytes)       UTF-8 message        the shard raised
+
+A malformed frame (bad magic, version, type, dtype, layer or size) gets an ERROR reply naming the
+field, then the server closes the connection: the stream cannot be trusted to be in sync.
+An error raised by the handler on a well-formed frame keeps the connection open.
+
+Plain classes (sockets and threads), testable without Ray.
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+import socket
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+MAGIC = b"DSXP"
+VERSION = 1
+MSG_HELLO, MSG_RUN = 1, 2
+STATUS_OK, STATUS_ERROR = 0, 1
+DTYPE_F32, DTYPE_I64 = 1, 2
+TOKEN_BYTES = 32
+
+# magic, version, type, layer, n, D, k, x dtype, idx dtype, w dtype, pad  (28 bytes)
+REQUEST = struct.Struct("<4sHHiIIIBBBx")
+# magic, version, status, n, D, nbytes  (24 bytes)
+REPLY = struct.Struct("<4sHHIIQ")
+
+
+class FrameError(ValueError):
+    """A frame breaks the protocol; the message names the offending field and value."""
+
+
+class TransportError(ConnectionError):
+    """The connection failed or the peer broke the protocol; retry on a new connection."""
+
+
+class RemoteExpertError(RuntimeError):
+    """The shard received a well-formed frame and raised; the message is the shard's."""
+
+
+@dataclass(frozen=True)
+class ExpertEndpoint:
+    """Where one shard replica's data plane listens (from ``ExpertShard.endpoint()``)."""
+
+    host: str  # address clients connect to
+    port: int  # TCP port
+    token: str  # per-replica secret, hex (TOKEN_BYTES bytes); sent once per connection
+
+
+@dataclass(frozen=True)
+class FrameLimits:
+    """Bounds a server puts on a RUN frame before allocating anything."""
+
+    dim: int  # D: the experts' input width (the only accepted value)
+    layers: frozenset[int]  # layers with routed experts on this server
+    max_k: int = 64  # experts per token
+    max_frame_bytes: int = 256 << 20  # body bytes of one RUN frame
+    max_error_bytes: int = 64 << 10  # error message bytes (longer messages are cut)
+
+
+@dataclass(frozen=True)
+class RunHeader:
+    """A RUN frame's header: ``layer`` and the shapes of x [n, D], idx [n, k], w [n, k]."""
+
+    layer: int
+    n: int
+    D: int
+    k: int
+
+    @property
+    def body_bytes(self) -> int:
+        return self.n * (4 * self.D + 12 * self.k)
+
+    def pack(self) -> bytes:
+        return REQUEST.pack(MAGIC, VERSION, MSG_RUN, self.layer, self.n, self.D, self.k, DTYPE_F32, DTYPE_I64, DTYPE_F32)
+
+
+def _check_common(magic: bytes, version: int) -> None:
+    if magic != MAGIC:
+        raise FrameError(f"magic: expected {MAGIC!r}, got {magic!r}")
+    if version != VERSION:
+        raise FrameError(f"version: expected {VERSION}, got {version}")
+
+
+def parse_request(buf: bytes) -> tuple[int, tuple]:
+    """(type, fields) of a request header; checks magic, version and type only."""
+    magic, version, kind, *fields = REQUEST.unpack(buf)
+    _check_common(magic, version)
+    if kind not in (MSG_HELLO, MSG_RUN):
+        raise FrameError(f"type: expected {MSG_HELLO} (HELLO) or {MSG_RUN} (RUN), got {kind}")
+    return kind, tuple(fields)
+
+
+def check_hello(fields: tuple) -> None:
+    layer, n, D, k, *dtypes = fields
+    if n != TOKEN_BYTES:
+        raise FrameError(f"n: a HELLO carries a {TOKEN_BYTES}-byte token, got n={n}")
+    if (layer, D, k, *dtypes) != (0, 0, 0, 0, 0, 0):
+        raise FrameError(f"HELLO: layer, D, k and dtypes must be 0, got {(layer, D, k, *dtypes)}")
+
+
+def check_run(fields: tuple, limits: FrameLimits) -> RunHeader:
+    """The :class:`RunHeader` of a RUN frame's fields, every field within ``limits``."""
+    layer, n, D, k, x_dtype, idx_dtype, w_dtype = fields
+    for name, got, want in (("x dtype", x_dtype, DTYPE_F32), ("idx dtype", idx_dtype, DTYPE_I64), ("w dtype", w_dtype, DTYPE_F32)):
+        if got != want:
+            raise FrameError(f"{name}: expected code {want}, got {got}")
+    if layer not in limits.layers:
+        raise FrameError(f"layer: {layer} has no routed experts here (MoE layers: {sorted(limits.layers)})")
+    if D != limits.dim:
+        raise FrameError(f"D: expected {limits.dim}, got {D}")
+    if not 1 <= k <= limits.max_k:
+        raise FrameError(f"k: expected 1..{limits.max_k}, got {k}")
+    head = RunHeader(layer, n, D, k)
+    if n < 1 or head.body_bytes > limits.max_frame_bytes:
+        raise FrameError(f"n: {n} tokens ({head.body_bytes} body bytes) is outside 1 token..{limits.max_frame_bytes} bytes")
+    return head
+
+
+def parse_reply(buf: bytes) -> tuple[int, int, int, int]:
+    """(status, n, D, nbytes) of a reply header; a bad magic, version or status is a TransportError."""
+    magic, version, status, n, D, nbytes = REPLY.unpack(buf)
+    try:
+        _check_common(magic, version)
+    except FrameError as e:
+        raise TransportError(f"bad reply header: {e}") from None
+    if status not in (STATUS_OK, STATUS_ERROR):
+        raise TransportError(f"bad reply header: status {status}")
+    return status, n, D, nbytes
+
+
+def ok_reply(n: int = 0, D: int = 0) -> bytes:
+    return REPLY.pack(MAGIC, VERSION, STATUS_OK, n, D, 4 * n * D)
+
+
+def error_reply(message: str, limit: int) -> list[bytes]:
+    text = message.encode("utf-8", "replace")[:limit]
+    return [REPLY.pack(MAGIC, VERSION, STATUS_ERROR, 0, 0, len(text)), text]
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor (no copy)."""
+    return memoryview(t.numpy()).cast("B")
+
+
+def send_all(sock: socket.socket, buffers: list) -> None:
+    """Write ``buffers`` in order with scatter-gather sends (no concatenation copy)."""
+    views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
+    while views:
+        sent = sock.sendmsg(views)
+        while sent:
+            if sent >= len(views[0]):
+                sent -= len(views.pop(0))
+            else:
+                views[0], sent = views[0][sent:], 0
+
+
+def recv_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``; a closed peer is a TransportError."""
+    got = 0
+    while got < len(view):
+        r = sock.recv_into(view[got:])
+        if r == 0:
+            raise TransportError("connection closed by peer")
+        got += r
+
+
+def recv_bytes(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def encode_run(layer: int, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> list:
+    """Header + body buffers of a RUN frame. x [n, D] fp32, idx [n, k] int64, w [n, k] fp32."""
+    if x.dim() != 2 or idx.dim() != 2 or idx.shape[0] != x.shape[0] or w.shape != idx.shape:
+        raise ValueError(f"shapes: x {tuple(x.shape)}, idx {tuple(idx.shape)}, w {tuple(w.shape)} (want [n, D], [n, k], [n, k])")
+    if (x.dtype, idx.dtype, w.dtype) != (torch.float32, torch.int64, torch.float32):
+        raise ValueError(f"dtypes: x {x.dtype}, idx {idx.dtype}, w {w.dtype} (want float32, int64, float32)")
+    n, D = x.shape
+    parts = [t.detach().cpu().contiguous() for t in (x, idx, w)]
+    return [RunHeader(layer, n, D, idx.shape[1]).pack(), *(_bytes(t) for t in parts)]
+
+
+Handler = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class ExpertServer:
+    """Serves RUN frames with ``handler(layer, x, idx, w) -> out [n, D]`` on a TCP socket.
+
+    One daemon thread accepts, one per connection serves frames in order. ``token`` (hex) is
+    generated when not given; :meth:`close` stops accepting and closes every connection.
+    """
+
+    def __init__(self, handler: Handler, limits: FrameLimits, *, host: str = "127.0.0.1", port: int = 0,
+                 advertise_host: str | None = None, token: str | None = None, io_timeout_s: float = 30.0) -> None:
+        self.handler, self.limits, self.io_timeout_s = handler, limits, io_timeout_s
+        self._token = bytes.fromhex(token) if token else secrets.token_bytes(TOKEN_BYTES)
+        if len(self._token) != TOKEN_BYTES:
+            raise ValueError(f"token must be {TOKEN_BYTES} bytes, got {len(self._token)}")
+        self._listener = socket.create_server((host, port))
+        self.endpoint = ExpertEndpoint(advertise_host or host, self._listener.getsockname()[1], self._token.hex())
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self.frames = 0  # RUN frames answered OK
+        self.rejected = 0  # connections closed for a bad token or a malformed frame
+        threading.Thread(target=self._accept, name=f"expert-server:{self.endpoint.port}", daemon=True).start()
+
+    def close(self) -> None:
+        """Stop accepting and close every connection (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            conns, self._conns = list(self._conns), set()
+        for s in (self._listener, *conns):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._conns.add(conn)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._serve, args=(conn,), name="expert-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        head = bytearray(REQUEST.size)
+        try:
+            conn.settimeout(self.io_timeout_s)
+            if not self._hello(conn, head):
+                return
+            while True:
+                conn.settimeout(None)  # idle between frames for as long as the client likes
+                if conn.recv_into(head, 1) == 0:
+                    return
+                conn.settimeout(self.io_timeout_s)
+                recv_into(conn, memoryview(head)[1:])
+                try:
+                    kind, fields = parse_request(bytes(head))
+                    if kind != MSG_RUN:
+                        raise FrameError(f"type: expected {MSG_RUN} (RUN) after the handshake, got {kind}")
+                    frame = check_run(fields, self.limits)
+                except FrameError as e:
+                    self._reject(conn, f"bad frame: {e}")
+                    return
+                self._run(conn, frame)
+        except (OSError, TransportError):
+            return  # the client went away or stalled: nothing to answer
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _hello(self, conn: socket.socket, head: bytearray) -> bool:
+        recv_into(conn, memoryview(head))
+        try:
+            kind, fields = parse_request(bytes(head))
+            if kind != MSG_HELLO:
+                raise FrameError(f"type: expected {MSG_HELLO} (HELLO) first, got {kind}")
+            check_hello(fields)
+        except FrameError as e:
+            self._reject(conn, f"bad handshake: {e}")
+            return False
+        if not hmac.compare_digest(recv_bytes(conn, TOKEN_BYTES), self._token):
+            self._reject(conn, "bad token")
+            return False
+        conn.sendall(ok_reply())
+        return True
+
+    def _run(self, conn: socket.socket, h: RunHeader) -> None:
+        x = torch.empty(h.n, h.D, dtype=torch.float32)
+        idx = torch.empty(h.n, h.k, dtype=torch.int64)
+        w = torch.empty(h.n, h.k, dtype=torch.float32)
+        for t in (x, idx, w):
+            recv_into(conn, _bytes(t))
+        try:
+            out = self.handler(h.layer, x, idx, w)
+            if out.shape != (h.n, h.D):
+                raise RuntimeError(f"handler returned shape {tuple(out.shape)} for [n, D] = [{h.n}, {h.D}] (a bug in the handler)")
+            out = out.detach().to("cpu", torch.float32).contiguous()
+        except Exception as e:  # the shard's error travels back to the caller as text
+            send_all(conn, error_reply(f"{type(e).__name__}: {e}", self.limits.max_error_bytes))
+            return
+        send_all(conn, [ok_reply(h.n, h.D), _bytes(out)])
+        self.frames += 1
+
+    def _reject(self, conn: socket.socket, message: str) -> None:
+        self.rejected += 1
+        try:
+            send_all(conn, error_reply(message, self.limits.max_error_bytes))
+        except OSError:
+            pass
+
+
+class ExpertClient:
+    """One persistent connection to an :class:`ExpertServer`.
+
+    Not thread-safe by itself: callers hold :attr:`lock` from :meth:`send` to the matching
+    :meth:`recv`. Any TransportError leaves the connection unusable (:meth:`close` it).
+    """
+
+    def __init__(self, endpoint: ExpertEndpoint, *, timeout_s: float = 30.0, max_error_bytes: int = 64 << 10) -> None:
+        self.endpoint, self.max_error_bytes = endpoint, max_error_bytes
+        self.lock = threading.Lock()
+        try:
+            self.sock = socket.create_connection((endpoint.host, endpoint.port), timeout=timeout_s)
+        except OSError as e:
+            raise TransportError(f"cannot connect to {endpoint.host}:{endpoint.port}: {e}") from e
+        try:
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            hello = REQUEST.pack(MAGIC, VERSION, MSG_HELLO, 0, TOKEN_BYTES, 0, 0, 0, 0, 0)
+            send_all(self.sock, [hello, bytes.fromhex(endpoint.token)])
+            self._read_reply(0, 0)
+        except (OSError, TransportError, RemoteExpertError) as e:
+            self.close()
+            raise TransportError(f"handshake with {endpoint.host}:{endpoint.port} failed: {e}") from e
+
+    def send(self, layer: int, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> None:
+        try:
+            send_all(self.sock, encode_run(layer, x, idx, w))
+        except OSError as e:
+            raise TransportError(f"send to {self.endpoint.host}:{self.endpoint.port} failed: {e}") from e
+
+    def recv(self, n: int, D: int) -> torch.Tensor:
+        """The reply to the last :meth:`send` of x [n, D]: out fp32 [n, D], or RemoteExpertError."""
+        try:
+            return self._read_reply(n, D)
+        except OSError as e:
+            raise TransportError(f"receive from {self.endpoint.host}:{self.endpoint.port} failed: {e}") from e
+
+    def run(self, layer: int, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        with self.lock:
+            self.send(layer, x, idx, w)
+            return self.recv(*x.shape)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _read_reply(self, n: int, D: int) -> torch.Tensor:
+        status, rn, rD, nbytes = parse_reply(recv_bytes(self.sock, REPLY.size))
+        if status == STATUS_ERROR:
+            if nbytes > self.max_error_bytes:
+                raise TransportError(f"bad reply header: error message of {nbytes} bytes")
+            raise RemoteExpertError(recv_bytes(self.sock, nbytes).decode("utf-8", "replace"))
+        if (rn, rD, nbytes) != (n, D, 4 * n * D):
+            raise TransportError(f"bad reply header: n={rn}, D={rD}, nbytes={nbytes} for a request of [n, D] = [{n}, {D}]")
+        out = torch.empty(n, D, dtype=torch.float32)
+        if nbytes:
+            recv_into(self.sock, _bytes(out))
+        return out

@@ -1,0 +1,213 @@
+"""The expert pool's direct data plane over real sockets in one process (no Ray): frame codec,
+ExpertShard's server + ExpertClient against `run_experts` on the model's weights, rejections."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from deployments.config import PlatformConfig
+from deployments.expert_pool import ExpertShard, shard_parts
+from deployments.expert_transport import (MAGIC, MSG_HELLO, MSG_RUN, REPLY, REQUEST, VERSION, ExpertClient, ExpertEndpoint,
+                                          FrameError, FrameLimits, RemoteExpertError, RunHeader, TransportError, check_run,
+                                          parse_reply, parse_request, recv_bytes)
+from model import load_model
+from model.layers.moe import run_experts
+
+MODEL = "tiny-k3"
+LIMITS = FrameLimits(dim=128, layers=frozenset({1, 2}), max_k=8, max_frame_bytes=1 << 20)
+
+
+@pytest.fixture(scope="module")
+def shards():
+    config = PlatformConfig(model=MODEL, expert_mode="pool", expert_shards=2)
+    out = [ExpertShard(config, s, 2) for s in range(2)]
+    yield out
+    for s in out:
+        s.close()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(MODEL)
+
+
+def _inputs(n: int, k: int, shard: int | None, seed: int, num_experts: int = 16, D: int = 128):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, D, generator=g)
+    idx = torch.randint(0, num_experts, (n, k), generator=g)
+    if shard is not None:  # only experts the shard owns (e % 2 == shard)
+        idx = idx - idx % 2 + shard
+    w = torch.rand(n, k, generator=g)
+    return x, idx, w
+
+
+def _ref(x, idx, w, experts) -> torch.Tensor:
+    """`run_experts` as a shard runs it (inference mode: the packed fast path)."""
+    with torch.inference_mode():
+        return run_experts(x, idx, w, experts)
+
+
+def _experts(model, layer: int):
+    return model.model.layers[layer].block_sparse_moe.experts
+
+
+def _fields(layer=1, n=3, D=128, k=2, dtypes=(1, 2, 1)):
+    return (layer, n, D, k, *dtypes)
+
+
+def test_run_header_round_trip():
+    kind, fields = parse_request(RunHeader(layer=2, n=37, D=128, k=8).pack())
+    assert kind == MSG_RUN and check_run(fields, LIMITS) == RunHeader(2, 37, 128, 8)
+    assert RunHeader(2, 37, 128, 8).body_bytes == 37 * (128 * 4 + 8 * 8 + 8 * 4)
+
+
+@pytest.mark.parametrize("fields,message", [
+    (_fields(dtypes=(2, 2, 1)), "x dtype: expected code 1, got 2"),
+    (_fields(dtypes=(1, 1, 1)), "idx dtype: expected code 2, got 1"),
+    (_fields(dtypes=(1, 2, 0)), "w dtype: expected code 1, got 0"),
+    (_fields(layer=0), "layer: 0 has no routed experts here (MoE layers: [1, 2])"),
+    (_fields(layer=-5), "layer: -5 has no routed experts"),
+    (_fields(D=129), "D: expected 128, got 129"),
+    (_fields(k=0), "k: expected 1..8, got 0"),
+    (_fields(k=9), "k: expected 1..8, got 9"),
+    (_fields(n=0), "n: 0 tokens"),
+    (_fields(n=2000), "n: 2000 tokens (1072000 body bytes) is outside 1 token..1048576 bytes"),
+    (_fields(n=2**32 - 1), "n: 4294967295 tokens"),
+])
+def test_check_run_names_the_bad_field(fields, message):
+    with pytest.raises(FrameError) as e:
+        check_run(fields, LIMITS)
+    assert str(e.value).startswith(message)
+
+
+@pytest.mark.parametrize("raw,message", [
+    (REQUEST.pack(b"XXXX", VERSION, MSG_RUN, 1, 1, 128, 2, 1, 2, 1), "magic: expected b'DSXP', got b'XXXX'"),
+    (REQUEST.pack(MAGIC, 9, MSG_RUN, 1, 1, 128, 2, 1, 2, 1), "version: expected 1, got 9"),
+    (REQUEST.pack(MAGIC, VERSION, 7, 1, 1, 128, 2, 1, 2, 1), "type: expected 1 (HELLO) or 2 (RUN), got 7"),
+])
+def test_parse_request_rejects_magic_version_type(raw, message):
+    with pytest.raises(FrameError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+        parse_request(raw)
+
+
+def test_parse_reply_rejects_a_bad_status():
+    with pytest.raises(TransportError, match="status 5"):
+        parse_reply(REPLY.pack(MAGIC, VERSION, 5, 0, 0, 0))
+
+
+@pytest.mark.parametrize("n,k", [(1, 2), (4, 2), (5, 2), (37, 2), (63, 8), (70, 8)])  # every run_experts path
+def test_direct_run_equals_run_experts_exactly(shards, model, n, k):
+    for s, shard in enumerate(shards):
+        client = ExpertClient(shard.endpoint())
+        try:
+            for layer in (1, 7):
+                x, idx, w = _inputs(n, k, s, seed=100 * n + layer)
+                got = client.run(layer, x, idx, w)
+                assert got.dtype == torch.float32 and got.shape == (n, 128)
+                assert torch.equal(got, _ref(x, idx, w, _experts(model, layer)))
+        finally:
+            client.close()
+
+
+def test_pool_split_over_two_shards_matches_colocated(shards, model):
+    """The caller's split (other shards' experts at weight 0) summed over both shards, against the
+    colocated experts of the same weights."""
+    x, idx, w = _inputs(45, 2, None, seed=7)
+    clients = [ExpertClient(s.endpoint()) for s in shards]
+    out = torch.zeros(45, 128)
+    for s, rows, sub_idx, sub_w in shard_parts(idx, w, 2):
+        out.index_add_(0, rows, clients[s].run(3, x[rows].contiguous(), sub_idx, sub_w))
+    for c in clients:
+        c.close()
+    ref = _ref(x, idx, w, _experts(model, 3))
+    assert torch.equal(out, ref)
+
+
+def test_stats_count_direct_calls(shards):
+    before = shards[0].stats()
+    client = ExpertClient(shards[0].endpoint())
+    client.run(2, *_inputs(5, 2, 0, seed=1))
+    client.close()
+    after = shards[0].stats()
+    assert after["direct_calls"] - before["direct_calls"] == 1 and after["handle_calls"] == before["handle_calls"]
+    assert after["tokens"] - before["tokens"] == 5 and after["transport"] == "direct"
+
+
+def test_bad_token_is_rejected(shards):
+    ep = shards[0].endpoint()
+    rejected = shards[0].server.rejected
+    with pytest.raises(TransportError, match="bad token"):
+        ExpertClient(ExpertEndpoint(ep.host, ep.port, "00" * 32))
+    assert shards[0].server.rejected == rejected + 1
+    ExpertClient(ep).close()  # the right token still works
+
+
+def _send_raw(endpoint: ExpertEndpoint, header: bytes) -> tuple[str, bytes]:
+    """Handshake, then ``header``; the error reply's text and what follows it (b'' once closed)."""
+    client = ExpertClient(endpoint)
+    sock = client.sock
+    try:
+        sock.sendall(header)
+        status, _, _, nbytes = parse_reply(recv_bytes(sock, REPLY.size))
+        assert status == 1
+        text = recv_bytes(sock, nbytes).decode()
+        sock.settimeout(5)
+        return text, sock.recv(1)
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("header,message", [
+    (REQUEST.pack(MAGIC, VERSION, MSG_RUN, 1, 4, 129, 2, 1, 2, 1), "bad frame: D: expected 128, got 129"),
+    (REQUEST.pack(MAGIC, VERSION, MSG_RUN, 1, 10**9, 128, 2, 1, 2, 1), "bad frame: n: 1000000000 tokens"),
+    (REQUEST.pack(MAGIC, VERSION, MSG_RUN, 0, 4, 128, 2, 1, 2, 1), "bad frame: layer: 0 has no routed experts here"),
+    (REQUEST.pack(b"HTTP", VERSION, MSG_RUN, 1, 4, 128, 2, 1, 2, 1), "bad frame: magic"),
+    (REQUEST.pack(MAGIC, VERSION, MSG_HELLO, 0, 32, 0, 0, 0, 0, 0), "bad frame: type: expected 2 (RUN) after the handshake, got 1"),
+])
+def test_malformed_header_is_rejected_and_the_connection_closed(shards, header, message):
+    text, after = _send_raw(shards[1].endpoint(), header)
+    assert text.startswith(message) and after == b""
+
+
+def test_a_handshake_that_is_not_hello_is_rejected(shards):
+    ep = shards[0].endpoint()
+    with socket.create_connection((ep.host, ep.port), timeout=5) as sock:
+        sock.sendall(RunHeader(1, 1, 128, 2).pack())
+        status, _, _, nbytes = parse_reply(recv_bytes(sock, REPLY.size))
+        assert status == 1 and recv_bytes(sock, nbytes).decode() == "bad handshake: type: expected 1 (HELLO) first, got 2"
+        assert sock.recv(1) == b""
+
+
+def test_shard_errors_come_back_as_clear_client_errors(shards, model):
+    client = ExpertClient(shards[0].endpoint())
+    try:
+        x, idx, w = _inputs(4, 2, 1, seed=3)  # shard 1's experts sent to shard 0
+        with pytest.raises(RemoteExpertError, match="^ValueError: shard 0 got tokens routed to experts it does not own$"):
+            client.run(1, x, idx, w)
+        with pytest.raises(RemoteExpertError, match=r"^ValueError: expert ids must be in 0..15, got 0..98$"):
+            client.run(1, x, torch.tensor([[0, 98]] * 4), w)
+        x, idx, w = _inputs(4, 2, 0, seed=3)  # the connection is still in sync
+        assert torch.equal(client.run(1, x, idx, w), _ref(x, idx, w, _experts(model, 1)))
+    finally:
+        client.close()
+
+
+def test_closed_shard_refuses_connections():
+    shard = ExpertShard(PlatformConfig(model=MODEL, expert_mode="pool"), 0, 2)
+    ep = shard.endpoint()
+    client = ExpertClient(ep)
+    shard.close()
+    with pytest.raises(TransportError):
+        client.run(1, *_inputs(2, 2, 0, seed=0))
+    with pytest.raises(TransportError, match="cannot connect"):
+        ExpertClient(ep)
+
+
+def test_handle_transport_starts_no_server():
+    shard = ExpertShard(PlatformConfig(model=MODEL, expert_mode="pool", expert_transport="handle"), 1, 2)
+    assert shard.server is None and shard.stats()["transport"] == "handle"
+    with pytest.raises(RuntimeError, match="expert_transport 'handle'"):
+        shard.endpoint()

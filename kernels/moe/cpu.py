@@ -26,6 +26,10 @@ def _lib():
         lib.moe_experts_f32.restype = ctypes.c_int
         lib.moe_experts_f32.argtypes = [_I64, _I64, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _P, ctypes.c_int32,
                                         ctypes.c_float, _P]
+        lib.moe_route_f32.restype = ctypes.c_int
+        lib.moe_route_f32.argtypes = [_I64, _I64, _I64, _P, _I64, _P, ctypes.c_int32, ctypes.c_float, _P, _P]
+        lib.moe_combine_f32.restype = ctypes.c_int
+        lib.moe_combine_f32.argtypes = [_I64, _I64, _I64, _P, ctypes.c_float, _P, _I64, ctypes.c_int32, ctypes.c_float, _P]
         lib._typed = True
     return lib
 
@@ -64,4 +68,48 @@ def moe_experts_cpu(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: to
                              float(beta), p(out))
     if rc != 0:
         raise ValueError(f"moe_experts_f32 rejected its arguments: {_ERRORS.get(rc, rc)} (experts 0..{E - 1})")
+    return out
+
+
+def route_cpu(logits: torch.Tensor, bias: torch.Tensor | None, k: int, renorm: bool, scaling: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's fast path in one call: logits [T, E] fp32 (rows contiguous) → (idx [T, k] int64 in
+    descending order of sigmoid(logits) + bias, w [T, k] fp32 renormalised (when ``renorm``) and scaled)."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the native routed-expert kernel is unavailable (see kernels.native)")
+    T, E = logits.shape
+    if logits.dtype != torch.float32 or logits.stride(1) != 1:
+        raise ValueError(f"logits: expected fp32 [T, E] with contiguous rows, got {logits.dtype} strides {logits.stride()}")
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous() or bias.shape != (E,)):
+        raise ValueError(f"bias: expected contiguous fp32 [{E}], got {bias.dtype} {tuple(bias.shape)}")
+    if not 1 <= k <= E or E > 4096:
+        raise ValueError(f"k must be in 1..{E} (and E <= 4096), got k={k}")
+    idx, w = torch.empty(T, k, dtype=torch.int64), torch.empty(T, k)
+    p = native.ptr
+    lib.moe_route_f32(T, E, k, p(logits), logits.stride(0), None if bias is None else p(bias), int(renorm),
+                      float(scaling), p(idx), p(w))
+    return idx, w
+
+
+def combine_cpu(y: torch.Tensor, eps: float | None, z: torch.Tensor | None, act: str, beta: float) -> torch.Tensor:
+    """[unit_rms_norm(y, eps) | act(z)] → [T, L + S]: the latent norm (none when ``eps`` is None) and the
+    shared expert's GLU of its gate|up pre-activation z [T, 2S] (none when ``z`` is None), side by side."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the native routed-expert kernel is unavailable (see kernels.native)")
+    if act not in ACTS:
+        raise ValueError(f"act must be one of {sorted(ACTS)}, got {act!r}")
+    T, L = y.shape
+    if y.dtype != torch.float32 or not y.is_contiguous():
+        raise ValueError(f"y: expected contiguous fp32 [T, L], got {y.dtype} {tuple(y.shape)}")
+    S = 0 if z is None else z.shape[1] // 2
+    if z is not None and (z.dtype != torch.float32 or z.shape != (T, 2 * S) or z.stride(1) != 1):
+        raise ValueError(f"z: expected fp32 [{T}, 2S] with contiguous rows, got {z.dtype} {tuple(z.shape)}")
+    out = torch.empty(T, L + S)
+    p = native.ptr
+    rc = lib.moe_combine_f32(T, L, S, p(y), -1.0 if eps is None else float(eps), None if z is None else p(z),
+                             0 if z is None else z.stride(0), ACTS[act], float(beta), p(out))
+    if rc != 0:
+        raise ValueError(f"moe_combine_f32 rejected its arguments: {_ERRORS.get(rc, rc)}")
     return out

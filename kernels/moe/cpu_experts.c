@@ -125,3 +125,72 @@ int moe_experts_f32(
     free(count); free(order); free(h);
     return 0;
 }
+
+/* Router, fast path (one expert group): s = sigmoid(logits); the top K of s + bias (bias may be NULL), in
+ * descending order (the first index wins a tie); w = s[idx], renormalised to sum 1 when renorm, times scaling.
+ * The torch reference is model/layers/moe.py Router.forward. */
+int moe_route_f32(
+    int64_t T, int64_t E, int64_t K,
+    const float *logits, int64_t stride,  /* [T, E], row stride */
+    const float *bias,                    /* [E] or NULL */
+    int32_t renorm, float scaling,
+    int64_t *idx, float *w                /* [T, K] each */
+) {
+    if (K < 1 || K > E || E > 4096) return -1;
+    float s[4096], c[4096];
+    unsigned char taken[4096];  /* no -inf marks: fast math assumes there are no infinities */
+    for (int64_t t = 0; t < T; t++) {
+        const float *l = logits + t * stride;
+        for (int64_t e = 0; e < E; e++) { s[e] = sigmoidf_(l[e]); c[e] = bias ? s[e] + bias[e] : s[e]; taken[e] = 0; }
+        float sum = 0.f;
+        for (int64_t j = 0; j < K; j++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++)
+                if (!taken[e] && (best < 0 || c[e] > c[best])) best = e;
+            idx[t * K + j] = best;
+            w[t * K + j] = s[best];
+            sum += s[best];
+            taken[best] = 1;
+        }
+        const float f = renorm && K > 1 ? scaling / (sum + 1e-20f) : scaling;
+        for (int64_t j = 0; j < K; j++) w[t * K + j] *= f;
+    }
+    return 0;
+}
+
+/* After the routed experts of a LatentMoE layer: out[:, :L] = y / sqrt(|y|^2 + L * eps) (the latent RMSNorm
+ * over sqrt(L), its weight folded into the up projection; eps < 0: no norm), and out[:, L:] = act(z) for the
+ * shared expert's gate|up pre-activation z [T, 2S] (S = 0: none); act as in moe_experts_f32. */
+int moe_combine_f32(
+    int64_t T, int64_t L, int64_t S,
+    const float *y,                       /* [T, L] */
+    float eps,
+    const float *z, int64_t z_stride,     /* [T, 2S], row stride; NULL when S = 0 */
+    int32_t act, float beta,
+    float *out                            /* [T, L + S] */
+) {
+    if (act < 0 || act > 2) return -4;
+    for (int64_t t = 0; t < T; t++) {
+        const float *yt = y + t * L;
+        float *o = out + t * (L + S);
+        float r = 1.0f;
+        if (eps >= 0.0f) {
+            float sq = 0.f;
+            for (int64_t i = 0; i < L; i++) sq += yt[i] * yt[i];
+            r = 1.0f / sqrtf(sq + (float)L * eps);
+        }
+        for (int64_t i = 0; i < L; i++) o[i] = yt[i] * r;
+        if (S > 0) {
+            const float *zt = z + t * z_stride;
+            for (int64_t i = 0; i < S; i++) {
+                const float g = zt[i], u = zt[S + i];
+                float a;
+                if (act == 0) a = g * sigmoidf_(g) * u;
+                else if (act == 1) a = beta * tanhf(g / beta) * sigmoidf_(g) * u;
+                else a = sigmoidf_(beta * g) * tanhf(g) * tanhf(u);
+                o[L + i] = a;
+            }
+        }
+    }
+    return 0;
+}

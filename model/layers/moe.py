@@ -356,12 +356,22 @@ class SparseMoE(nn.Module):
         if self.latent and fast_path_ok(x):
             W_in, split, W_out, eps, gate, experts, shared_act, call_shared, zero_bias = self._fast_parts()
             z = F.linear(x, W_in).split(split, dim=1)
-            idx, w = gate(x, z[0], zero_bias)
+            native = USE_NATIVE and gate.n_group == 1 and moe_cpu.available()
+            if native:  # the router in one C call
+                bias = None if zero_bias else gate.e_score_correction_bias.detach().float()
+                idx, w = moe_cpu.route_cpu(z[0], bias, gate.top_k, gate.renormalize, gate.scaling)
+            else:
+                idx, w = gate(x, z[0], zero_bias)
             y = self.expert_fn(z[1], idx, w, experts)
-            if eps is not None:
-                y = unit_rms_norm(y, eps)
-            if shared_act is not None:
-                y = torch.cat([y, shared_act.fused(z[2])], dim=1)
+            if native and y.is_contiguous():  # the latent norm and the shared expert's GLU in one C call
+                y = moe_cpu.combine_cpu(y, eps, None if shared_act is None else z[2],
+                                        "silu" if shared_act is None else shared_act.native_mode,
+                                        1.0 if shared_act is None else shared_act.beta)
+            else:
+                if eps is not None:
+                    y = unit_rms_norm(y, eps)
+                if shared_act is not None:
+                    y = torch.cat([y, shared_act.fused(z[2])], dim=1)
             y = F.linear(y, W_out)
             return y.add_(self.shared_experts(x)) if call_shared else y
         idx, w = self.gate(x)

@@ -60,3 +60,46 @@ def test_bad_arguments_are_named():
         cpu.moe_experts_cpu(x, idx, w, w13, torch.randn(4, 8, 3), "silu", 1.0)
     with pytest.raises(ValueError, match="x"):
         cpu.moe_experts_cpu(x.double(), idx, w, w13, w2, "silu", 1.0)
+
+
+@pytest.mark.parametrize("T,E,k,renorm,scaling,with_bias", [(1, 16, 2, True, 1.0, False), (7, 9, 3, True, 2.5, True),
+                                                            (4, 5, 1, False, 1.0, True), (33, 64, 6, True, 1.0, True)])
+def test_route_matches_the_router(T, E, k, renorm, scaling, with_bias):
+    gen = torch.Generator().manual_seed(T + E + k)
+    logits = torch.randn(T, E + 3, generator=gen)[:, :E] * 3  # strided rows
+    bias = torch.randn(E, generator=gen) * 0.5 if with_bias else None
+    s = torch.sigmoid(logits)
+    ref_idx = (s + (bias if with_bias else 0)).topk(k, dim=-1).indices
+    ref_w = s.gather(1, ref_idx)
+    if renorm and k > 1:
+        ref_w = ref_w / (ref_w.sum(-1, keepdim=True) + 1e-20)
+    idx, w = cpu.route_cpu(logits, bias, k, renorm, scaling)
+    assert torch.equal(idx, ref_idx)
+    assert rel_rms(w, ref_w * scaling) <= TOL
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_route_matches_the_model_router(with_bias):
+    from model import load_model
+
+    router = load_model("tiny-k3").model.layers[1].block_sparse_moe.gate
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(9, router.weight.shape[1], generator=gen)
+    with torch.no_grad():
+        if with_bias:
+            router.e_score_correction_bias.copy_(torch.randn(router.weight.shape[0], generator=gen) * 0.3)
+        ref_idx, ref_w = router(x)  # the general path
+        bias = router.e_score_correction_bias if with_bias else None
+        idx, w = cpu.route_cpu(x @ router.weight.t(), bias, router.top_k, router.renormalize, router.scaling)
+    assert torch.equal(idx, ref_idx) and rel_rms(w, ref_w) <= TOL
+
+
+@pytest.mark.parametrize("mode", sorted(cpu.ACTS))
+@pytest.mark.parametrize("with_norm,with_shared", [(True, True), (True, False), (False, True)])
+def test_combine_is_norm_and_glu_side_by_side(mode, with_norm, with_shared):
+    gen = torch.Generator().manual_seed(5)
+    y, z = torch.randn(6, 24, generator=gen) * 4, torch.randn(6, 2 * 10 + 3, generator=gen)[:, :20] * 3
+    out = cpu.combine_cpu(y, 1e-6 if with_norm else None, z if with_shared else None, mode, 4.0)
+    ref_y = y / torch.sqrt(y.pow(2).sum(-1, keepdim=True) + 24 * 1e-6) if with_norm else y
+    ref = torch.cat([ref_y, _act(z, mode, 4.0)], dim=1) if with_shared else ref_y
+    assert rel_rms(out, ref) <= TOL

@@ -35,7 +35,7 @@ class EngineReplica:
         self.plan = CheckpointPlan(config.cache.block_size, config.cache.checkpoint_every)
 
     def stats(self) -> dict:
-        out = {"replica": self.replica, **vars(self.engine.stats)}
+        out = {"replica": self.replica, **vars(self.engine.stats), "native_kernels": self.engine.runner.native_kernels}
         if self.expert_pool is not None:
             out["expert_pool"] = self.expert_pool.stats()
         return out

@@ -50,6 +50,15 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def native_kernels() -> dict[str, bool]:
+    """Which native CPU kernels of the decode fast paths are built and loaded (see ``kernels.native``)."""
+    from kernels.attn_res import cpu as attn_res_cpu
+    from kernels.kda import cpu as kda_cpu
+    from kernels.moe import cpu as moe_cpu
+
+    return {"kda_decode": kda_cpu.available(), "moe": moe_cpu.available(), "attn_res_mix_norm": attn_res_cpu.available()}
+
+
 class ModelRunner:
     def __init__(self, model: KimiForCausalLM, num_slots: int = 8, *, prefill_chunk: int = 512, capacity: int = 256) -> None:
         if prefill_chunk < 1:
@@ -60,6 +69,8 @@ class ModelRunner:
         self.pool = StatePool(model.config, num_slots, capacity=capacity, device=model.device, dtype=model.dtype)
         self.lengths = [0] * num_slots
         self._free = list(range(num_slots - 1, -1, -1))
+        # Build (or load from the disk cache) the native CPU kernels now, not inside the first step.
+        self.native_kernels = native_kernels() if self.model.device.type == "cpu" else {}
 
     # -- slots ----------------------------------------------------------------
     @property

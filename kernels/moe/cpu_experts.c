@@ -24,6 +24,13 @@ static inline float sigmoidf_(float x) {
     return x >= 0.0f ? s : e * s;
 }
 
+/* The GLU activation of one gate/up pair (modes as in the header comment). */
+static inline float glu_(int32_t act, float beta, float g, float u) {
+    if (act == 0) return g * sigmoidf_(g) * u;
+    if (act == 1) return beta * tanhf(g / beta) * sigmoidf_(g) * u;
+    return sigmoidf_(beta * g) * tanhf(g) * tanhf(u);
+}
+
 int moe_experts_f32(
     int64_t T, int64_t D, int64_t I, int64_t K, int64_t E,
     const float *x, int64_t x_stride,  /* [T, D], row stride */
@@ -86,14 +93,7 @@ int moe_experts_f32(
             for (int64_t b = 0; b < nb; b++) {  /* activation, in the gate half of h, times the routing weight */
                 float *hb = h + b * I2;
                 const float wt = w[order[s + b]];
-                for (int64_t i = 0; i < I; i++) {
-                    const float g = hb[i], u = hb[I + i];
-                    float a;
-                    if (act == 0) a = g * sigmoidf_(g) * u;
-                    else if (act == 1) a = beta * tanhf(g / beta) * sigmoidf_(g) * u;
-                    else a = sigmoidf_(beta * g) * tanhf(g) * tanhf(u);
-                    hb[i] = a * wt;
-                }
+                for (int64_t i = 0; i < I; i++) hb[i] = glu_(act, beta, hb[i], hb[I + i]) * wt;
             }
             for (int64_t b = nb; b < TB; b++)
                 for (int64_t i = 0; i < I; i++) h[b * I2 + i] = 0.f;
@@ -182,14 +182,7 @@ int moe_combine_f32(
         for (int64_t i = 0; i < L; i++) o[i] = yt[i] * r;
         if (S > 0) {
             const float *zt = z + t * z_stride;
-            for (int64_t i = 0; i < S; i++) {
-                const float g = zt[i], u = zt[S + i];
-                float a;
-                if (act == 0) a = g * sigmoidf_(g) * u;
-                else if (act == 1) a = beta * tanhf(g / beta) * sigmoidf_(g) * u;
-                else a = sigmoidf_(beta * g) * tanhf(g) * tanhf(u);
-                o[L + i] = a;
-            }
+            for (int64_t i = 0; i < S; i++) o[L + i] = glu_(act, beta, zt[i], zt[S + i]);
         }
     }
     return 0;

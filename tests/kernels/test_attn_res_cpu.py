@@ -16,9 +16,8 @@ TOL = 1e-5
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _built():
-    if not cpu.available():
-        pytest.fail("the native Attention-Residual kernel did not build (a C compiler is part of `make test`'s setup)")
+def _built(require_native):
+    require_native(cpu)
 
 
 def _point(D, gen, eps):

@@ -12,9 +12,8 @@ TOL = 1e-5
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _built():
-    if not cpu.available():
-        pytest.fail("the native routed-expert kernel did not build (a C compiler is part of `make test`'s setup)")
+def _built(require_native):
+    require_native(cpu)
 
 
 def _act(h, mode, beta):

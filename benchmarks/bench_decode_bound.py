@@ -149,6 +149,20 @@ class StepProbe:
         self._time(model.model.embed_tokens, "embedding")
         self._time(model.lm_head, "lm_head")
         self._time(model.model, "model_total")
+        # The router's C path (the layers call it instead of the Router module when the kernels are built).
+        from kernels.moe import cpu as moe_cpu
+
+        route = moe_cpu.route_cpu
+
+        def timed_route(*a, **kw):
+            t = time.perf_counter()
+            out = route(*a, **kw)
+            if self.enabled:
+                self.acc["moe_router"] += time.perf_counter() - t
+                self._record_choice(None, None, out)
+            return out
+
+        moe_cpu.route_cpu = timed_route
         # The KDA recurrent decode kernel, as the KDA layers call it (instrumentation for this process only).
         import model.layers.kda as kda_module
 

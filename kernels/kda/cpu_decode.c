@@ -18,7 +18,6 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #define MAX_D 256
 
@@ -48,38 +47,40 @@ int kda_decode_f32(
     for (int64_t n = 0; n < N; n++)
         if (slots[n] < 0 || slots[n] >= num_slots) return -3;
     const int64_t P = H * D, C = 3 * P, T = W - 1;
-    float *y = malloc((size_t)C * sizeof(float));
+    float *y = malloc((size_t)(C + P) * sizeof(float));  /* conv outputs q|k|v, then the decays d */
     if (!y) return -2;
+    float *d = y + C;
     for (int64_t n = 0; n < N; n++) {
         const float *x = qkv + n * qkv_stride;
         float *tails = conv + slots[n] * C * T;
+        /* short conv (taps oldest first, then the new input), then the tails shift by one */
+        for (int64_t c = 0; c < C; c++) y[c] = x[c] * wc[T * C + c];
+        for (int64_t j = 0; j < T; j++) {
+            const float *w = wc + j * C;
+            for (int64_t c = 0; c < C; c++) y[c] += tails[c * T + j] * w[c];
+        }
         for (int64_t c = 0; c < C; c++) {
             float *t = tails + c * T;
-            float acc = x[c] * wc[T * C + c];
-            for (int64_t j = 0; j < T; j++) acc += t[j] * wc[j * C + c];
-            if (T > 0) {
-                memmove(t, t + 1, (size_t)(T - 1) * sizeof(float));
-                t[T - 1] = x[c];
-            }
-            y[c] = acc * sigmoidf_(acc);
+            for (int64_t j = 0; j + 1 < T; j++) t[j] = t[j + 1];
+            if (T > 0) t[T - 1] = x[c];
         }
+        for (int64_t c = 0; c < C; c++) y[c] = y[c] * sigmoidf_(y[c]);  /* SiLU */
         const float *gn = g + n * g_stride, *gt = gate + n * gate_stride;
+        if (softplus_form) for (int64_t p = 0; p < P; p++) d[p] = expf(a[p] * softplusf_(gn[p]));
+        else for (int64_t p = 0; p < P; p++) d[p] = expf(a[p] * sigmoidf_(gn[p]));
         for (int64_t h = 0; h < H; h++) {
-            float *q = y + h * D, *k = y + P + h * D, *v = y + 2 * P + h * D;
+            const float *q = y + h * D, *k = y + P + h * D, *v = y + 2 * P + h * D, *dh = d + h * D;
             float qq = 0.f, kk = 0.f;
             for (int64_t i = 0; i < D; i++) { qq += q[i] * q[i]; kk += k[i] * k[i]; }
             const float rq = 1.0f / sqrtf(qq + 1e-6f), rk = 1.0f / sqrtf(kk + 1e-6f);
-            float qn[MAX_D], kn[MAX_D], qd[MAX_D], kd[MAX_D], d[MAX_D], u[MAX_D], o[MAX_D];
+            float kn[MAX_D], qd[MAX_D], kd[MAX_D], u[MAX_D], o[MAX_D];
             float qk = 0.f;
             for (int64_t i = 0; i < D; i++) {
-                const int64_t p = h * D + i;
-                qn[i] = q[i] * rq;
-                kn[i] = k[i] * rk;
-                qk += qn[i] * kn[i];
-                const float gi = gn[p];
-                d[i] = expf(a[p] * (softplus_form ? softplusf_(gi) : sigmoidf_(gi)));
-                qd[i] = qn[i] * d[i];
-                kd[i] = kn[i] * d[i];
+                const float qi = q[i] * rq, ki = k[i] * rk;
+                kn[i] = ki;
+                qk += qi * ki;
+                qd[i] = qi * dh[i];
+                kd[i] = ki * dh[i];
             }
             const float beta = sigmoidf_(b[n * b_stride + h]);
             float *S = state + (slots[n] * H + h) * D * D;
@@ -98,7 +99,7 @@ int kda_decode_f32(
             }
             for (int64_t i = 0; i < D; i++) {
                 float *row = S + i * D;
-                const float di = d[i], ki = kn[i];
+                const float di = dh[i], ki = kn[i];
                 for (int64_t j = 0; j < D; j++) row[j] = di * row[j] + ki * u[j];
             }
             const float ro = 1.0f / sqrtf(oo + eps_sum);

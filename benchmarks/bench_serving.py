@@ -303,6 +303,23 @@ def batch_size(before: dict, after: dict) -> float | None:
     return (after["decode_tokens"] - before["decode_tokens"]) / steps if steps else None
 
 
+def print_section_a(a: dict, args) -> None:
+    """Section a alone (``--only a``): the ratio, the decode replica's batch and CPU ms per output token."""
+    ntok = a["tokens_per_wave"]
+    print(f"a. 16 streams: HTTP {a['http_tokens_per_s']:.0f} tok/s vs Engine {a['engine_tokens_per_s']:.0f} = "
+          f"ratio {a['ratio']:.2f} (target >= 0.8); in-process frontend {a['ratio_local']:.2f}; runs HTTP "
+          f"{[round(x) for x in a['http_runs']]}, Engine {[round(x) for x in a['engine_runs']]}; texts equal "
+          f"{a['http_texts_equal_engine']}; decode replica avg batch {[r3(x) for x in a['decode_replica_avg_batch']]}; "
+          f"chunks per request p50 {a['http_chunks_per_request_p50']}; load average {os.getloadavg()[0]:.1f}")
+    comps = sorted({k for dct in a["http_cpu_s_by_component"] for k in dct},
+                   key=lambda k: -statistics.fmean(dct.get(k, 0.0) for dct in a["http_cpu_s_by_component"]))
+    for k in comps:
+        v = statistics.fmean(dct.get(k, 0.0) for dct in a["http_cpu_s_by_component"])
+        if v >= 0.005:
+            print(f"  {k:45s} {1e3 * v / ntok:6.2f} CPU ms per output token")
+    print(f"Reproduce: {COMMAND} --only a --reps {args.reps}")
+
+
 # -- main --------------------------------------------------------------------------------------
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -310,6 +327,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=2, help="interleaved repetitions of the overhead comparison")
     ap.add_argument("--skip-http-pool", action="store_true", help="skip the HTTP expert-pool wave")
     ap.add_argument("--out-dir", type=Path, default=None)
+    ap.add_argument("--only", choices=["a"], default=None,
+                    help="run only this section (no pool-mode app); prints its numbers and writes no report")
     args = ap.parse_args()
     torch.set_num_threads(1)
     t_start = time.perf_counter()
@@ -344,7 +363,9 @@ def main() -> int:
         print("starting Ray + Serve (deltaserve at /, pool-mode at /pool)...", flush=True)
         t0 = time.perf_counter()
         try:
-            if "extra_apps" in inspect.signature(start).parameters:  # deploys both apps declaratively
+            if args.only == "a":
+                start(config)
+            elif "extra_apps" in inspect.signature(start).parameters:  # deploys both apps declaratively
                 start(config, extra_apps=[("pool-mode", "/pool", pool_config)])
             else:
                 start(config)
@@ -353,7 +374,8 @@ def main() -> int:
             print(f"serving after {res['startup_s']:.0f} s", flush=True)
             # warm-up: every path once
             http_wave(base, key, [(NAME, "def f(x):\n"), (NAME + "-highspeed", "def g(y):\n")], 8)
-            http_wave(base + "/pool", key, [(NAME, "def h(z):\n")], 8)
+            if args.only != "a":
+                http_wave(base + "/pool", key, [(NAME, "def h(z):\n")], 8)
             engine_run(model, tok, ["def w():\n"] * 2, 8)
 
             # a. serving overhead, 16 concurrent ------------------------------------------------
@@ -390,8 +412,12 @@ def main() -> int:
                         "engine_runs": [w["tokens_per_s"] for w in a_eng], "local_runs": [w["tokens_per_s"] for w in a_local],
                         "http_texts_equal_engine": f"{same_text}/16", "decode_replica_avg_batch": a_bs,
                         "http_ttft_p50_s": pct([r["ttft"] for w in a_http for r in w["requests"]], 50),
+                        "http_chunks_per_request_p50": pct([r["chunks"] for w in a_http for r in w["requests"]], 50),
                         "http_wall_s": [w["wall_s"] for w in a_http], "engine_cpu_s": [w["cpu_s"] for w in a_eng],
                         "http_cpu_s_by_component": a_cpu, "tokens_per_wave": a_http[-1]["tokens"]}
+            if args.only == "a":
+                print_section_a(res["a"], args)
+                return 0
 
             # b. continuous batching, 32 vs 1 (in-process; then HTTP) ---------------------------
             p32 = prompts(32, "b")

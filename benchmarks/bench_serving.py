@@ -310,14 +310,16 @@ def print_section_a(a: dict, args) -> None:
           f"ratio {a['ratio']:.2f} (target >= 0.8); in-process frontend {a['ratio_local']:.2f}; runs HTTP "
           f"{[round(x) for x in a['http_runs']]}, Engine {[round(x) for x in a['engine_runs']]}; texts equal "
           f"{a['http_texts_equal_engine']}; decode replica avg batch {[r3(x) for x in a['decode_replica_avg_batch']]}; "
-          f"chunks per request p50 {a['http_chunks_per_request_p50']}; load average {os.getloadavg()[0]:.1f}")
+          f"chunks per request p50 {a['http_chunks_per_request_p50']}; stream_interval_ms {a['stream_interval_ms']}; "
+          f"TTFT p50 {1e3 * a['http_ttft_p50_s']:.0f} ms; load average {os.getloadavg()[0]:.1f}")
     comps = sorted({k for dct in a["http_cpu_s_by_component"] for k in dct},
                    key=lambda k: -statistics.fmean(dct.get(k, 0.0) for dct in a["http_cpu_s_by_component"]))
     for k in comps:
         v = statistics.fmean(dct.get(k, 0.0) for dct in a["http_cpu_s_by_component"])
         if v >= 0.005:
             print(f"  {k:45s} {1e3 * v / ntok:6.2f} CPU ms per output token")
-    print(f"Reproduce: {COMMAND} --only a --reps {args.reps}")
+    extra = "" if args.stream_interval_ms is None else f" --stream-interval-ms {args.stream_interval_ms:g}"
+    print(f"Reproduce: {COMMAND} --only a --reps {args.reps}{extra}")
 
 
 # -- main --------------------------------------------------------------------------------------
@@ -329,6 +331,8 @@ def main() -> int:
     ap.add_argument("--out-dir", type=Path, default=None)
     ap.add_argument("--only", choices=["a"], default=None,
                     help="run only this section (no pool-mode app); prints its numbers and writes no report")
+    ap.add_argument("--stream-interval-ms", type=float, default=None,
+                    help="the standard pool's stream_interval_ms (default: PoolConfig's default for it)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     t_start = time.perf_counter()
@@ -358,6 +362,9 @@ def main() -> int:
         config = PlatformConfig(model=MODEL, model_name=NAME, tenants_file=str(Path(tmp) / "tenants.yaml"),
                                 http_port=free_port(), grpc_port=free_port(), num_slots=32, replica_num_cpus=0.05,
                                 torch_threads=1)
+        if args.stream_interval_ms is not None:
+            std = config.pools["standard"].model_copy(update={"stream_interval_ms": args.stream_interval_ms})
+            config = config.model_copy(update={"pools": {**config.pools, "standard": std}})
         pool_config = config.model_copy(update={"expert_mode": "pool", "pools": {"standard": config.pools["standard"]}})
         base = f"http://127.0.0.1:{config.http_port}"
         print("starting Ray + Serve (deltaserve at /, pool-mode at /pool)...", flush=True)
@@ -412,6 +419,7 @@ def main() -> int:
                         "engine_runs": [w["tokens_per_s"] for w in a_eng], "local_runs": [w["tokens_per_s"] for w in a_local],
                         "http_texts_equal_engine": f"{same_text}/16", "decode_replica_avg_batch": a_bs,
                         "http_ttft_p50_s": pct([r["ttft"] for w in a_http for r in w["requests"]], 50),
+                        "stream_interval_ms": config.pools["standard"].stream_interval_ms,
                         "http_chunks_per_request_p50": pct([r["chunks"] for w in a_http for r in w["requests"]], 50),
                         "http_wall_s": [w["wall_s"] for w in a_http], "engine_cpu_s": [w["cpu_s"] for w in a_eng],
                         "http_cpu_s_by_component": a_cpu, "tokens_per_wave": a_http[-1]["tokens"]}

@@ -31,6 +31,9 @@ class PoolConfig(_Strict):
     tpot_slo_ms: float = Field(200.0, gt=0, description="target time per output token, milliseconds")
     prefill_replicas: int = Field(1, ge=1, description="replicas of this pool's prefill deployment")
     decode_replicas: int = Field(1, ge=1, description="replicas of this pool's decode deployment")
+    stream_interval_ms: float = Field(0.0, ge=0, description="a decode replica sends a stream's tokens in batches: "
+                                      "at most one chunk per this many milliseconds after the first (sent at once); "
+                                      "0 = a chunk per token. Larger: less CPU per token, burstier streams")
 
 
 class CacheConfig(_Strict):

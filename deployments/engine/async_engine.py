@@ -10,6 +10,9 @@ threads too, so the loop is not blocked behind a step.
         async for out in outputs:
             ...
 
+``stream_interval_s``: a request's outputs are routed through a :class:`StreamBatcher`, so
+its consumer takes one merged output per interval instead of one per step.
+
 A consumer that stops early (``aclose()``, task cancellation on client disconnect) aborts
 its request. A failing step stops the engine: every waiting generator, and every later
 call, raises RuntimeError chained to the step's exception.
@@ -19,11 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from .engine import Engine
 from .sequence import GenerationRequest, RequestOutput, merge_outputs
+from .stream_batcher import StreamBatcher
 
 _T = TypeVar("_T")
 
@@ -33,25 +38,33 @@ class AsyncEngine:
         self.engine = engine
         self._lock = threading.Lock()  # held for every engine call
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}  # per live generator
+        self._batchers: dict[str, StreamBatcher] = {}  # per live generator with a stream interval
         self._wake: asyncio.Event | None = None  # set when work may have arrived; made on the running loop
         self._loop_task: asyncio.Task[None] | None = None
         self._error: BaseException | None = None  # the step failure that stopped the engine
         self._closed = False
 
-    async def generate(self, req: GenerationRequest, *, coalesce: bool = False, **add_kwargs: Any) -> AsyncIterator[RequestOutput]:
+    async def generate(self, req: GenerationRequest, *, coalesce: bool = False, stream_interval_s: float = 0.0,
+                       **add_kwargs: Any) -> AsyncIterator[RequestOutput]:
         """Add ``req`` (``add_kwargs`` go to :meth:`Engine.add_request`) and yield its outputs
         until the finished one. Stopping early aborts the request.
 
         ``coalesce``: when the consumer has fallen behind the engine, yield everything already
         queued for the request as one merged output (no added latency: nothing waits for more
-        tokens; a stream crossing processes pays its per-item cost once per merged output)."""
+        tokens; a stream crossing processes pays its per-item cost once per merged output).
+
+        ``stream_interval_s``: hold outputs back and yield them merged, at most one per interval
+        after the first (see :class:`StreamBatcher`); 0 yields each step's output."""
         self._check_alive()
         rid = req.request_id
         if rid in self._queues:
             raise ValueError(f"request_id {rid!r} is already being generated")
+        batcher = StreamBatcher(stream_interval_s) if stream_interval_s else None  # raises for a bad interval
         self._start()
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[rid] = queue
+        if batcher is not None:
+            self._batchers[rid] = batcher
         added = asyncio.ensure_future(asyncio.to_thread(self._call, self.engine.add_request, req, **add_kwargs))
         finished = False
         try:
@@ -68,6 +81,7 @@ class AsyncEngine:
                 yield item
         finally:
             del self._queues[rid]
+            self._batchers.pop(rid, None)
             if not finished:
                 await self._abort_once_added(added, rid)
 
@@ -112,9 +126,13 @@ class AsyncEngine:
                 for queue in self._queues.values():
                     queue.put_nowait(e)
                 return
+            now = time.monotonic()
             for out in outputs:
                 queue = self._queues.get(out.request_id)
-                if queue is not None:  # None: its consumer is gone (aborted)
+                if queue is None:  # its consumer is gone (aborted)
+                    continue
+                batcher = self._batchers.get(out.request_id)
+                if batcher is None or (out := batcher.push(out, now)) is not None:
                     queue.put_nowait(out)
 
     async def _abort_once_added(self, added: asyncio.Future[None], rid: str) -> None:

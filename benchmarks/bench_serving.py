@@ -22,7 +22,9 @@ b. Continuous batching: decode tokens/s (steps after every sequence has its firs
    on the in-process Engine, wall and CPU time; through HTTP too (client side: tokens after each request's
    first chunk / time from the first first-chunk to the last chunk).
 c. Mixed load: 24 standard + 4 highspeed streams at once (two waves); per pool p50/p95 of time to first token
-   and time per output token, from the client's chunk times and from ``usage.timings``.
+   and time per output token, from the client's chunk times and from ``usage.timings``. A chunk may hold several
+   tokens (the pool's ``stream_interval_ms``): the client asks for ``continuous_usage_stats`` and client TPOT is
+   (last chunk - first chunk) / (tokens after the first chunk).
 d. Expert pool vs colocated at 32 concurrent: decode tokens/s ratio through HTTP (``/pool`` vs ``/``), and
    in this process with an ``Engine`` whose MoE layers call the real ``expert-pool-<s>`` Serve deployments
    (``attach_expert_pool``) vs one with colocated experts; a timer around each MoE layer's expert function
@@ -93,10 +95,12 @@ def r3(x):
 
 
 # -- HTTP client ---------------------------------------------------------------------------------
-async def _stream(client, url: str, key: str, model: str, prompt: str, max_tokens: int) -> dict:
+async def _stream(client, url: str, key: str, model: str, prompt: str, max_tokens: int, continuous: bool = False) -> dict:
+    """One streamed completion. ``continuous``: every chunk carries usage so far (``continuous_usage_stats``), so
+    TPOT counts the tokens each chunk holds; else every chunk before the last is taken to hold one token."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}
-    chunks, text, usage = [], [], None
+            "stream_options": {"include_usage": True, "continuous_usage_stats": continuous}, "ignore_eos": True}
+    chunks, text, usage, counts = [], [], None, []
     t_send = time.perf_counter()
     async with client.stream("POST", url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
         if r.status_code != 200:
@@ -110,30 +114,34 @@ async def _stream(client, url: str, key: str, model: str, prompt: str, max_token
             obj = json.loads(data)
             if "error" in obj:
                 raise RuntimeError(f"stream error: {obj['error']}")
-            if obj.get("usage"):
-                usage = obj["usage"]
             for ch in obj.get("choices", []):
                 if ch.get("finish_reason") is None:
                     chunks.append(time.perf_counter())
                     text.append(ch.get("text", ""))
+                    if continuous:
+                        counts.append(obj["usage"]["completion_tokens"] - (usage or {}).get("completion_tokens", 0))
+            if obj.get("usage"):
+                usage = obj["usage"]
     t_end = time.perf_counter()
     n = usage["completion_tokens"] if usage else len(chunks)
+    first_tokens = counts[0] if counts else 1  # tokens the first chunk brought
     return {"model": model, "t_send": t_send, "t_first": chunks[0] if chunks else t_end, "t_end": t_end,
             "t_last": chunks[-1] if chunks else t_end, "tokens": n, "chunks": len(chunks), "text": "".join(text),
             "ttft": (chunks[0] if chunks else t_end) - t_send,
-            "tpot": (chunks[-1] - chunks[0]) / (n - 1) if n > 1 and chunks else None,
+            "tokens_per_chunk": counts,
+            "tpot": (chunks[-1] - chunks[0]) / (n - first_tokens) if n > first_tokens and len(chunks) > 1 else None,
             "server_ttft": usage["timings"]["time_to_first_token_s"] if usage else None,
             "server_tpot": 1 / usage["timings"]["output_tokens_per_s"] if usage and usage["timings"]["output_tokens_per_s"] else None}
 
 
-def http_wave(base: str, key: str, specs: list[tuple[str, str]], max_tokens: int) -> dict:
+def http_wave(base: str, key: str, specs: list[tuple[str, str]], max_tokens: int, continuous: bool = False) -> dict:
     """All ``specs`` (model id, prompt) at once; aggregate and per-request numbers."""
     import httpx
 
     async def run():
         limits = httpx.Limits(max_connections=128, max_keepalive_connections=128)
         async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits, trust_env=False) as client:
-            return await asyncio.gather(*(_stream(client, base, key, m, p, max_tokens) for m, p in specs))
+            return await asyncio.gather(*(_stream(client, base, key, m, p, max_tokens, continuous) for m, p in specs))
 
     w0 = time.perf_counter()
     reqs = asyncio.run(run())
@@ -467,7 +475,7 @@ def main() -> int:
             for w in range(2):
                 specs = [(NAME, p) for p in prompts(24, f"cs{w}")] + [(NAME + "-highspeed", p) for p in prompts(4, f"ch{w}")]
                 s_std, s_hs = decode_stats("deltaserve", "standard"), decode_stats("deltaserve", "highspeed")
-                waves.append(http_wave(base, key, specs, M))
+                waves.append(http_wave(base, key, specs, M, continuous=True))  # TPOT counts tokens per chunk
                 waves[-1]["batch"] = {"standard": batch_size(s_std, decode_stats("deltaserve", "standard")),
                                       "highspeed": batch_size(s_hs, decode_stats("deltaserve", "highspeed"))}
             lat = {}
@@ -633,7 +641,8 @@ def main() -> int:
         f"{b['ratio_cpu']:.2f}x CPU time (target >= 8x). Through HTTP: {b['http_1']:.0f} vs {b['http_32']:.0f} = "
         f"{b['http_ratio']:.2f}x (decode replica average batch {b['http_32_decode_replica_avg_batch'] or 0:.1f}).",
         "",
-        "**c.** Mixed load, 24 standard + 4 highspeed streams at once, two waves (TTFT/TPOT: client chunk times; "
+        "**c.** Mixed load, 24 standard + 4 highspeed streams at once, two waves (TTFT/TPOT: client chunk times, TPOT = "
+        "(last chunk - first chunk) / tokens after the first chunk; "
         "`usage` columns: the platform's `usage.timings`, TPOT = 1 / output_tokens_per_s):",
         "",
         *lat_lines,

@@ -55,8 +55,12 @@ class CacheConfig(_Strict):
 
 def _default_pools() -> dict[str, PoolConfig]:
     return {
-        "standard": PoolConfig(max_num_seqs=32, max_num_batched_tokens=1024, ttft_slo_ms=4000, tpot_slo_ms=400),
-        "highspeed": PoolConfig(max_num_seqs=4, max_num_batched_tokens=256, ttft_slo_ms=1000, tpot_slo_ms=100),
+        # standard: tokens in chunks of up to 100 ms (a quarter of its TPOT target) cut the per-chunk cost of the
+        # decode -> ingress -> proxy -> client hops (benchmarks/results/serving.md, a); highspeed: every token.
+        "standard": PoolConfig(max_num_seqs=32, max_num_batched_tokens=1024, ttft_slo_ms=4000, tpot_slo_ms=400,
+                               stream_interval_ms=100),
+        "highspeed": PoolConfig(max_num_seqs=4, max_num_batched_tokens=256, ttft_slo_ms=1000, tpot_slo_ms=100,
+                                stream_interval_ms=0),
     }
 
 

@@ -22,7 +22,9 @@ b. Continuous batching: decode tokens/s (steps after every sequence has its firs
    on the in-process Engine, wall and CPU time; through HTTP too (client side: tokens after each request's
    first chunk / time from the first first-chunk to the last chunk).
 c. Mixed load: 24 standard + 4 highspeed streams at once (two waves); per pool p50/p95 of time to first token
-   and time per output token, from the client's chunk times and from ``usage.timings``.
+   and time per output token, from the client's chunk times and from ``usage.timings``. A chunk may hold several
+   tokens (the pool's ``stream_interval_ms``): the client asks for ``continuous_usage_stats`` and client TPOT is
+   (last chunk - first chunk) / (tokens after the first chunk).
 d. Expert pool vs colocated at 32 concurrent: decode tokens/s ratio through HTTP (``/pool``, direct transport,
    vs ``/``), and in this process with ``Engine``s whose MoE layers call the real ``expert-pool-<s>`` Serve
    deployments (``attach_expert_pool``) over the direct transport and over Serve handles (the reference) vs one
@@ -96,10 +98,12 @@ def r3(x):
 
 
 # -- HTTP client ---------------------------------------------------------------------------------
-async def _stream(client, url: str, key: str, model: str, prompt: str, max_tokens: int) -> dict:
+async def _stream(client, url: str, key: str, model: str, prompt: str, max_tokens: int, continuous: bool = False) -> dict:
+    """One streamed completion. ``continuous``: every chunk carries usage so far (``continuous_usage_stats``), so
+    TPOT counts the tokens each chunk holds; else every chunk before the last is taken to hold one token."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}
-    chunks, text, usage = [], [], None
+            "stream_options": {"include_usage": True, "continuous_usage_stats": continuous}, "ignore_eos": True}
+    chunks, text, usage, counts = [], [], None, []
     t_send = time.perf_counter()
     async with client.stream("POST", url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
         if r.status_code != 200:
@@ -113,30 +117,34 @@ async def _stream(client, url: str, key: str, model: str, prompt: str, max_token
             obj = json.loads(data)
             if "error" in obj:
                 raise RuntimeError(f"stream error: {obj['error']}")
-            if obj.get("usage"):
-                usage = obj["usage"]
             for ch in obj.get("choices", []):
                 if ch.get("finish_reason") is None:
                     chunks.append(time.perf_counter())
                     text.append(ch.get("text", ""))
+                    if continuous:
+                        counts.append(obj["usage"]["completion_tokens"] - (usage or {}).get("completion_tokens", 0))
+            if obj.get("usage"):
+                usage = obj["usage"]
     t_end = time.perf_counter()
     n = usage["completion_tokens"] if usage else len(chunks)
+    first_tokens = counts[0] if counts else 1  # tokens the first chunk brought
     return {"model": model, "t_send": t_send, "t_first": chunks[0] if chunks else t_end, "t_end": t_end,
             "t_last": chunks[-1] if chunks else t_end, "tokens": n, "chunks": len(chunks), "text": "".join(text),
             "ttft": (chunks[0] if chunks else t_end) - t_send,
-            "tpot": (chunks[-1] - chunks[0]) / (n - 1) if n > 1 and chunks else None,
+            "tokens_per_chunk": counts,
+            "tpot": (chunks[-1] - chunks[0]) / (n - first_tokens) if n > first_tokens and len(chunks) > 1 else None,
             "server_ttft": usage["timings"]["time_to_first_token_s"] if usage else None,
             "server_tpot": 1 / usage["timings"]["output_tokens_per_s"] if usage and usage["timings"]["output_tokens_per_s"] else None}
 
 
-def http_wave(base: str, key: str, specs: list[tuple[str, str]], max_tokens: int) -> dict:
+def http_wave(base: str, key: str, specs: list[tuple[str, str]], max_tokens: int, continuous: bool = False) -> dict:
     """All ``specs`` (model id, prompt) at once; aggregate and per-request numbers."""
     import httpx
 
     async def run():
         limits = httpx.Limits(max_connections=128, max_keepalive_connections=128)
         async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits, trust_env=False) as client:
-            return await asyncio.gather(*(_stream(client, base, key, m, p, max_tokens) for m, p in specs))
+            return await asyncio.gather(*(_stream(client, base, key, m, p, max_tokens, continuous) for m, p in specs))
 
     w0 = time.perf_counter()
     reqs = asyncio.run(run())
@@ -304,6 +312,25 @@ def decode_stats(app: str, pool: str) -> dict:
 def batch_size(before: dict, after: dict) -> float | None:
     steps = after["steps"] - before["steps"]
     return (after["decode_tokens"] - before["decode_tokens"]) / steps if steps else None
+
+
+def print_section_a(a: dict, args) -> None:
+    """Section a alone (``--only a``): the ratio, the decode replica's batch and CPU ms per output token."""
+    ntok = a["tokens_per_wave"]
+    print(f"a. 16 streams: HTTP {a['http_tokens_per_s']:.0f} tok/s vs Engine {a['engine_tokens_per_s']:.0f} = "
+          f"ratio {a['ratio']:.2f} (target >= 0.8); in-process frontend {a['ratio_local']:.2f}; runs HTTP "
+          f"{[round(x) for x in a['http_runs']]}, Engine {[round(x) for x in a['engine_runs']]}; texts equal "
+          f"{a['http_texts_equal_engine']}; decode replica avg batch {[r3(x) for x in a['decode_replica_avg_batch']]}; "
+          f"chunks per request p50 {a['http_chunks_per_request_p50']}; stream_interval_ms {a['stream_interval_ms']}; "
+          f"TTFT p50 {1e3 * a['http_ttft_p50_s']:.0f} ms; load average {os.getloadavg()[0]:.1f}")
+    comps = sorted({k for dct in a["http_cpu_s_by_component"] for k in dct},
+                   key=lambda k: -statistics.fmean(dct.get(k, 0.0) for dct in a["http_cpu_s_by_component"]))
+    for k in comps:
+        v = statistics.fmean(dct.get(k, 0.0) for dct in a["http_cpu_s_by_component"])
+        if v >= 0.005:
+            print(f"  {k:45s} {1e3 * v / ntok:6.2f} CPU ms per output token")
+    extra = "" if args.stream_interval_ms is None else f" --stream-interval-ms {args.stream_interval_ms:g}"
+    print(f"Reproduce: {COMMAND} --only a --reps {args.reps}{extra}")
 
 
 # -- d. expert pool vs colocated -----------------------------------------------------------------
@@ -552,8 +579,11 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=2, help="interleaved repetitions of the overhead comparison")
     ap.add_argument("--skip-http-pool", action="store_true", help="skip the HTTP expert-pool wave")
     ap.add_argument("--out-dir", type=Path, default=None)
-    ap.add_argument("--only", choices=["d"], default=None,
-                    help="run one section alone (d: expert pool, written to serving_expert_pool.{json,md})")
+    ap.add_argument("--only", choices=["a", "d"], default=None,
+                    help="run one section alone: a (serving overhead; prints its numbers, writes no report) or d "
+                         "(expert pool, written to serving_expert_pool.{json,md})")
+    ap.add_argument("--stream-interval-ms", type=float, default=None,
+                    help="the standard pool's stream_interval_ms (default: PoolConfig's default for it)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.only == "d":
@@ -584,12 +614,17 @@ def main() -> int:
         config = PlatformConfig(model=MODEL, model_name=NAME, tenants_file=str(Path(tmp) / "tenants.yaml"),
                                 http_port=free_port(), grpc_port=free_port(), num_slots=32, replica_num_cpus=0.05,
                                 torch_threads=1)
+        if args.stream_interval_ms is not None:
+            std = config.pools["standard"].model_copy(update={"stream_interval_ms": args.stream_interval_ms})
+            config = config.model_copy(update={"pools": {**config.pools, "standard": std}})
         pool_config = config.model_copy(update={"expert_mode": "pool", "pools": {"standard": config.pools["standard"]}})
         base = f"http://127.0.0.1:{config.http_port}"
         print("starting Ray + Serve (deltaserve at /, pool-mode at /pool)...", flush=True)
         t0 = time.perf_counter()
         try:
-            if "extra_apps" in inspect.signature(start).parameters:  # deploys both apps declaratively
+            if args.only == "a":
+                start(config)
+            elif "extra_apps" in inspect.signature(start).parameters:  # deploys both apps declaratively
                 start(config, extra_apps=[("pool-mode", "/pool", pool_config)])
             else:
                 start(config)
@@ -598,7 +633,8 @@ def main() -> int:
             print(f"serving after {res['startup_s']:.0f} s", flush=True)
             # warm-up: every path once
             http_wave(base, key, [(NAME, "def f(x):\n"), (NAME + "-highspeed", "def g(y):\n")], 8)
-            http_wave(base + "/pool", key, [(NAME, "def h(z):\n")], 8)
+            if args.only != "a":
+                http_wave(base + "/pool", key, [(NAME, "def h(z):\n")], 8)
             engine_run(model, tok, ["def w():\n"] * 2, 8)
 
             # a. serving overhead, 16 concurrent ------------------------------------------------
@@ -635,8 +671,13 @@ def main() -> int:
                         "engine_runs": [w["tokens_per_s"] for w in a_eng], "local_runs": [w["tokens_per_s"] for w in a_local],
                         "http_texts_equal_engine": f"{same_text}/16", "decode_replica_avg_batch": a_bs,
                         "http_ttft_p50_s": pct([r["ttft"] for w in a_http for r in w["requests"]], 50),
+                        "stream_interval_ms": config.pools["standard"].stream_interval_ms,
+                        "http_chunks_per_request_p50": pct([r["chunks"] for w in a_http for r in w["requests"]], 50),
                         "http_wall_s": [w["wall_s"] for w in a_http], "engine_cpu_s": [w["cpu_s"] for w in a_eng],
                         "http_cpu_s_by_component": a_cpu, "tokens_per_wave": a_http[-1]["tokens"]}
+            if args.only == "a":
+                print_section_a(res["a"], args)
+                return 0
 
             # b. continuous batching, 32 vs 1 (in-process; then HTTP) ---------------------------
             p32 = prompts(32, "b")
@@ -671,7 +712,7 @@ def main() -> int:
             for w in range(2):
                 specs = [(NAME, p) for p in prompts(24, f"cs{w}")] + [(NAME + "-highspeed", p) for p in prompts(4, f"ch{w}")]
                 s_std, s_hs = decode_stats("deltaserve", "standard"), decode_stats("deltaserve", "highspeed")
-                waves.append(http_wave(base, key, specs, M))
+                waves.append(http_wave(base, key, specs, M, continuous=True))  # TPOT counts tokens per chunk
                 waves[-1]["batch"] = {"standard": batch_size(s_std, decode_stats("deltaserve", "standard")),
                                       "highspeed": batch_size(s_hs, decode_stats("deltaserve", "highspeed"))}
             lat = {}
@@ -761,7 +802,8 @@ def main() -> int:
         f"{b['ratio_cpu']:.2f}x CPU time (target >= 8x). Through HTTP: {b['http_1']:.0f} vs {b['http_32']:.0f} = "
         f"{b['http_ratio']:.2f}x (decode replica average batch {b['http_32_decode_replica_avg_batch'] or 0:.1f}).",
         "",
-        "**c.** Mixed load, 24 standard + 4 highspeed streams at once, two waves (TTFT/TPOT: client chunk times; "
+        "**c.** Mixed load, 24 standard + 4 highspeed streams at once, two waves (TTFT/TPOT: client chunk times, TPOT = "
+        "(last chunk - first chunk) / tokens after the first chunk; "
         "`usage` columns: the platform's `usage.timings`, TPOT = 1 / output_tokens_per_s):",
         "",
         *lat_lines,

@@ -88,8 +88,9 @@ class ModelCard:
 @dataclass(frozen=True, slots=True)
 class TextDelta:
     text: str  # newly decoded text (may be empty while bytes are held back)
-    token_ids: tuple[int, ...]  # newly generated token ids
+    token_ids: tuple[int, ...]  # newly generated token ids (several when the pool has a stream interval)
     request_id: str = ""  # the completion's id (the same on every event of one request)
+    prompt_tokens: int = 0  # the request's prompt tokens (for usage on every chunk)
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,9 +2,12 @@
 
 A decode replica never runs a prompt forward: every request arrives with the state after its
 prompt (from a prefill replica, directly or through the cache service) and the first sampled
-token; the engine only decodes. With the cache on it cuts MLA blocks as it goes and KDA
-checkpoints every ``checkpoint_every`` blocks and at the end of the turn (written in the
-background): the next turn, on any replica, or a failover resumes from them.
+token; the engine only decodes. A stream's tokens go out in chunks, one per
+``PoolConfig.stream_interval_ms`` at most (the first at once; see
+:class:`~deployments.engine.stream_batcher.StreamBatcher`). With the cache on it cuts MLA
+blocks as it goes and KDA checkpoints every ``checkpoint_every`` blocks and at the end of
+the turn (written in the background): the next turn, on any replica, or a failover resumes
+from them.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class Decode(EngineReplica):
     def __init__(self, config: PlatformConfig, pool: str, expert_shards: list | None = None) -> None:
         slots = max(config.num_slots, config.pools[pool].max_num_seqs)
         super().__init__(config, pool, "decode", expert_shards, num_slots=slots, max_num_seqs=config.pools[pool].max_num_seqs)
+        self.stream_interval_s = config.pools[pool].stream_interval_ms / 1e3
 
     async def generate(self, req: DecodeRequest) -> AsyncIterator[DecodeChunk]:
         p = req.prefill
@@ -47,7 +51,8 @@ class Decode(EngineReplica):
             recorder = self.cache.recorder(key, list(p.prompt_ids) + list(p.replay_ids)) if key is not None else None
             greq = GenerationRequest(p.request_id, list(p.prompt_ids), p.max_tokens, p.sampling, p.stop,
                                      p.stop_token_ids, p.ignore_eos)
-            outs = self.async_engine.generate(greq, coalesce=True, resume_state=state, first_token=req.first_token,
+            outs = self.async_engine.generate(greq, coalesce=True, stream_interval_s=self.stream_interval_s,
+                                              resume_state=state, first_token=req.first_token,
                                               replay_ids=p.replay_ids, checkpoint_plan=self.plan if recorder else None)
             async with contextlib.aclosing(outs):
                 async for out in outs:

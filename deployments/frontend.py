@@ -169,7 +169,7 @@ class Frontend:
                             replica, reason = result.replica, result.finish_reason
                             n_out = len(emitted) + (reason == "length")
                             if result.text or reason == "length":
-                                yield TextDelta(result.text, (result.first_token,) if reason == "length" else (), request_id)
+                                yield TextDelta(result.text, (result.first_token,) if reason == "length" else (), request_id, len(ids))
                             break
                         dreq = DecodeRequest(preq, result.first_token, result.state, carrier, result.handoff_key)
                         async for chunk in self.backend.decode(pool, dreq):
@@ -178,7 +178,7 @@ class Frontend:
                             n_out, replica = chunk.num_output_tokens, chunk.replica
                             emitted.extend(chunk.token_ids)
                             if chunk.text or chunk.token_ids:
-                                yield TextDelta(chunk.text, chunk.token_ids, request_id)
+                                yield TextDelta(chunk.text, chunk.token_ids, request_id, len(ids))
                             if chunk.finished:
                                 reason = chunk.finish_reason or "length"
                         break

@@ -34,7 +34,8 @@ class _OpenAIRequest(BaseModel):
     top_p: float = Field(1.0)
     n: int = Field(1, description="only 1 is supported")
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: dict[str, Any] | None = Field(None, description="include_usage: a last chunk with usage; with "
+                                                  "continuous_usage_stats (as vLLM's) every chunk also carries usage so far")
     stop: str | list[str] | None = None
     seed: int | None = None
     user: str | None = None
@@ -208,8 +209,10 @@ class IngressRoutes:
             return JSONResponse({"id": fin.request_id, "object": "chat.completion" if chat else "text_completion",
                                  "created": created, "model": fin.model, "choices": [choice], "usage": _usage_json(fin),
                                  "system_fingerprint": fin.pool}, headers=_headers(fin, pool))
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return StreamingResponse(_sse(_chain(head, events), chat, created, include_usage, inp.model),
+        opts = body.stream_options or {}
+        include_usage = bool(opts.get("include_usage"))
+        continuous = include_usage and bool(opts.get("continuous_usage_stats"))
+        return StreamingResponse(_sse(_chain(head, events), chat, created, include_usage, inp.model, continuous),
                                  media_type="text/event-stream", headers={"x-deltaserve-pool": pool, "cache-control": "no-cache"})
 
 
@@ -220,10 +223,15 @@ async def _chain(head: list, rest: AsyncIterator):
         yield ev
 
 
-async def _sse(events: AsyncIterator, chat: bool, created: int, include_usage: bool, model: str) -> AsyncIterator[str]:
+async def _sse(events: AsyncIterator, chat: bool, created: int, include_usage: bool, model: str,
+               continuous: bool = False) -> AsyncIterator[str]:
+    """One SSE event per :class:`TextDelta` (its text may hold several tokens), then the finish
+    event, the usage event (``include_usage``) and ``[DONE]``. ``continuous``: every text
+    event also carries ``usage`` so far (vLLM's ``continuous_usage_stats``)."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     first = True
     rid = ""
+    n_out = 0
     try:
         async for ev in events:
             if isinstance(ev, TextDelta):
@@ -232,7 +240,12 @@ async def _sse(events: AsyncIterator, chat: bool, created: int, include_usage: b
                 choice = {"index": 0, "delta": delta, "finish_reason": None} if chat else \
                     {"index": 0, "text": ev.text, "finish_reason": None, "logprobs": None}
                 first = False
-                yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': model, 'choices': [choice]})}\n\n"
+                event = {'id': rid, 'object': obj, 'created': created, 'model': model, 'choices': [choice]}
+                if continuous:
+                    n_out += len(ev.token_ids)
+                    event["usage"] = {"prompt_tokens": ev.prompt_tokens, "completion_tokens": n_out,
+                                      "total_tokens": ev.prompt_tokens + n_out}
+                yield f"data: {json.dumps(event)}\n\n"
             else:
                 rid = ev.request_id
                 choice = {"index": 0, "delta": {}, "finish_reason": ev.finish_reason} if chat else \

@@ -3,12 +3,18 @@
 A background task runs ``engine.step()`` in a worker thread while there is work and sleeps
 on an :class:`asyncio.Event` otherwise; each step's outputs are routed to per-request
 queues. Every engine call (add, abort, step, has_unfinished) holds one lock, so the event
-loop and the step thread never touch the engine at once; add and abort run in worker
-threads too, so the loop is not blocked behind a step.
+loop and the step thread never touch the engine at once. New requests are queued on the
+loop and added by the step thread right before its next step: every request that arrived
+during a step joins the next one (adding each in a worker thread of its own would park one
+thread per arrival on the lock, and asyncio's small default pool admitted only a few per
+step), and the loop is never blocked behind a step. Aborts run in worker threads.
 
     async with contextlib.aclosing(async_engine.generate(req)) as outputs:
         async for out in outputs:
             ...
+
+``stream_interval_s``: a request's outputs are routed through a :class:`StreamBatcher`, so
+its consumer takes one merged output per interval instead of one per step.
 
 A consumer that stops early (``aclose()``, task cancellation on client disconnect) aborts
 its request. A failing step stops the engine: every waiting generator, and every later
@@ -19,11 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from .engine import Engine
 from .sequence import GenerationRequest, RequestOutput, merge_outputs
+from .stream_batcher import StreamBatcher
 
 _T = TypeVar("_T")
 
@@ -33,30 +41,40 @@ class AsyncEngine:
         self.engine = engine
         self._lock = threading.Lock()  # held for every engine call
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}  # per live generator
+        self._batchers: dict[str, StreamBatcher] = {}  # per live generator with a stream interval
+        self._adds: list[tuple[GenerationRequest, dict[str, Any], asyncio.Future[None]]] = []  # for the next step
         self._wake: asyncio.Event | None = None  # set when work may have arrived; made on the running loop
         self._loop_task: asyncio.Task[None] | None = None
         self._error: BaseException | None = None  # the step failure that stopped the engine
         self._closed = False
 
-    async def generate(self, req: GenerationRequest, *, coalesce: bool = False, **add_kwargs: Any) -> AsyncIterator[RequestOutput]:
+    async def generate(self, req: GenerationRequest, *, coalesce: bool = False, stream_interval_s: float = 0.0,
+                       **add_kwargs: Any) -> AsyncIterator[RequestOutput]:
         """Add ``req`` (``add_kwargs`` go to :meth:`Engine.add_request`) and yield its outputs
         until the finished one. Stopping early aborts the request.
 
         ``coalesce``: when the consumer has fallen behind the engine, yield everything already
         queued for the request as one merged output (no added latency: nothing waits for more
-        tokens; a stream crossing processes pays its per-item cost once per merged output)."""
+        tokens; a stream crossing processes pays its per-item cost once per merged output).
+
+        ``stream_interval_s``: hold outputs back and yield them merged, at most one per interval
+        after the first (see :class:`StreamBatcher`); 0 yields each step's output."""
         self._check_alive()
         rid = req.request_id
         if rid in self._queues:
             raise ValueError(f"request_id {rid!r} is already being generated")
+        batcher = StreamBatcher(stream_interval_s) if stream_interval_s else None  # raises for a bad interval
         self._start()
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[rid] = queue
-        added = asyncio.ensure_future(asyncio.to_thread(self._call, self.engine.add_request, req, **add_kwargs))
+        if batcher is not None:
+            self._batchers[rid] = batcher
+        added: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._adds.append((req, add_kwargs, added))
+        self._wake.set()  # type: ignore[union-attr]  # made by _start
         finished = False
         try:
             await asyncio.shield(added)
-            self._wake.set()  # type: ignore[union-attr]  # made by _start
             while not finished:
                 item = await queue.get()
                 while coalesce and not isinstance(item, BaseException) and not item.finished and not queue.empty():
@@ -68,6 +86,7 @@ class AsyncEngine:
                 yield item
         finally:
             del self._queues[rid]
+            self._batchers.pop(rid, None)
             if not finished:
                 await self._abort_once_added(added, rid)
 
@@ -78,6 +97,7 @@ class AsyncEngine:
         if self._loop_task is not None:
             self._wake.set()  # type: ignore[union-attr]
             await self._loop_task
+        self._fail_adds(RuntimeError("AsyncEngine was shut down"))
         for queue in self._queues.values():
             queue.put_nowait(RuntimeError("AsyncEngine was shut down"))
 
@@ -102,20 +122,51 @@ class AsyncEngine:
     async def _run(self, wake: asyncio.Event) -> None:
         while not self._closed:
             wake.clear()
-            if not self._call(self.engine.has_unfinished):
+            adds, self._adds = self._adds, []
+            if not adds and not self._call(self.engine.has_unfinished):
                 await wake.wait()
                 continue
-            try:
-                outputs = await asyncio.to_thread(self._call, self.engine.step)
-            except Exception as e:  # the engine's state is unknown now: fail everyone, step no more
-                self._error = e
+            errors, outputs, failure = await asyncio.to_thread(self._add_and_step, [(r, kw) for r, kw, _ in adds])
+            for (_, _, added), err in zip(adds, errors):
+                if not added.done():  # done: its caller was cancelled
+                    added.set_result(None) if err is None else added.set_exception(err)
+            if failure is not None:  # the engine's state is unknown now: fail everyone, step no more
+                self._error = failure
+                self._fail_adds(RuntimeError(f"engine stopped after a failed step: {failure!r}"))
                 for queue in self._queues.values():
-                    queue.put_nowait(e)
+                    queue.put_nowait(failure)
                 return
+            now = time.monotonic()
             for out in outputs:
                 queue = self._queues.get(out.request_id)
-                if queue is not None:  # None: its consumer is gone (aborted)
+                if queue is None:  # its consumer is gone (aborted)
+                    continue
+                batcher = self._batchers.get(out.request_id)
+                if batcher is None or (out := batcher.push(out, now)) is not None:
                     queue.put_nowait(out)
+
+    def _add_and_step(self, adds: list[tuple[GenerationRequest, dict[str, Any]]]) -> tuple[list[Exception | None], list[RequestOutput], Exception | None]:
+        """In the step thread: add the queued requests, then step once if there is work; each
+        add's error (None when added), the step's outputs, and the step's exception."""
+        with self._lock:
+            errors: list[Exception | None] = []
+            for req, kwargs in adds:
+                try:
+                    self.engine.add_request(req, **kwargs)
+                    errors.append(None)
+                except Exception as e:  # bad input: raised to that request's caller
+                    errors.append(e)
+            try:
+                return errors, self.engine.step() if self.engine.has_unfinished() else [], None
+            except Exception as e:
+                return errors, [], e
+
+    def _fail_adds(self, error: BaseException) -> None:
+        """Requests queued for a step that will never come: their callers raise ``error``."""
+        adds, self._adds = self._adds, []
+        for _, _, added in adds:
+            if not added.done():
+                added.set_exception(error)
 
     async def _abort_once_added(self, added: asyncio.Future[None], rid: str) -> None:
         """Abort ``rid`` after its add has landed; nothing when the add failed or the engine is dead."""

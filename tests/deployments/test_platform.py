@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import socket
+import statistics
 import time
 
 import grpc
@@ -229,6 +230,48 @@ def test_grpc_generate_stream_and_models(platform, reference):
     assert parts[-1].finished and parts[-1].usage.completion_tokens == 12 and parts[-1].pool == "highspeed"
     models = stub.ListModels(pb.ListModelsRequest(), metadata=md, timeout=60)
     assert sorted(m.id for m in models.models) == ["tiny", "tiny-highspeed"]
+
+
+def test_stream_interval_batches_tokens_first_chunk_alone_same_tokens(platform, reference):
+    """standard has the default stream_interval_ms (100): its later chunks carry several tokens; highspeed (0) one each."""
+    pools = platform["config"].pools
+    assert (pools["standard"].stream_interval_ms, pools["highspeed"].stream_interval_ms) == (100, 0)
+    md = [("authorization", f"Bearer {platform['alice']}"), ("application", "deltaserve")]
+    stub = _grpc(platform)
+    want = reference("def fib(n):", 40)
+
+    def sizes(model: str) -> list[int]:
+        parts = list(stub.GenerateStream(pb.GenerateRequest(model=model, prompt="def fib(n):", max_tokens=40, temperature=0,
+                                                            ignore_eos=True), metadata=md, timeout=120))
+        assert [t for p in parts for t in p.token_ids] == want, model
+        assert "".join(p.text for p in parts) == _text(want), model
+        assert parts[-1].finished and parts[-1].usage.completion_tokens == 40
+        return [len(p.token_ids) for p in parts if p.token_ids]
+
+    std, hs = sizes("tiny"), sizes("tiny-highspeed")
+    assert std[0] == hs[0] == 2  # prefill's token and the first decoded one, sent at once on both pools
+    assert max(std[1:]) > 1 and len(std) < len(hs), (std, hs)
+    assert statistics.median(hs[1:]) == 1, hs  # one token per chunk (a consumer that fell behind may get a merged one)
+
+
+def test_http_chunks_of_several_tokens_carry_usage_so_far(platform, reference):
+    client = _client(platform)
+    prompt = "import os\n"
+
+    def per_chunk(model: str) -> list[int]:
+        chunks = list(client.completions.create(
+            model=model, prompt=prompt, max_tokens=30, temperature=0, stream=True, extra_body={"ignore_eos": True},
+            stream_options={"include_usage": True, "continuous_usage_stats": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == _text(reference(prompt, 30)), model
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 30
+        texts = [c for c in chunks if c.choices and c.choices[0].finish_reason is None]
+        assert {c.usage.prompt_tokens for c in texts} == {len(_ids(prompt))}
+        so_far = [c.usage.completion_tokens for c in texts]
+        return [b - a for a, b in zip([0] + so_far, so_far)]
+
+    std, hs = per_chunk("tiny"), per_chunk("tiny-highspeed")
+    assert std[0] == hs[0] == 2 and sum(std) == sum(hs) == 30
+    assert max(std[1:]) > 1 and len(std) < len(hs), (std, hs)
 
 
 @pytest.mark.parametrize(

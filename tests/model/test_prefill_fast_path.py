@@ -1,0 +1,37 @@
+"""The prefill fast paths equal the per-sequence references they stand beside, on awkward varlen batches."""
+
+import pytest
+import torch
+
+from model.layers.kda import causal_conv_packed, causal_conv_packed_reference
+from model.state import BatchLayout
+from tests.conftest import rel_rms
+
+TOL = 1e-5
+LENGTHS = [(1, 3, 63, 64, 65), (1,), (65,), (3, 1, 1, 64), (64, 64)]
+
+
+@pytest.mark.parametrize("lengths", LENGTHS)
+@pytest.mark.parametrize("fresh", [True, False])
+@pytest.mark.parametrize("W", [4, 2])
+def test_causal_conv_packed_matches_per_sequence_conv(lengths, fresh, W):
+    gen = torch.Generator().manual_seed(sum(lengths) + W)
+    C, N = 24, len(lengths)
+    layout = BatchLayout.make(range(N), [0] * N if fresh else [5] * N, lengths)
+    x = torch.randn(sum(lengths), C, generator=gen)
+    weight = torch.randn(C, 1, W, generator=gen)
+    tails = torch.zeros(N, C, W - 1) if fresh else torch.randn(N, C, W - 1, generator=gen)
+    y, new_tails = causal_conv_packed(x, weight, tails, layout)
+    y_ref, tails_ref = causal_conv_packed_reference(x, weight, tails, layout)
+    assert y.shape == y_ref.shape and new_tails.shape == tails_ref.shape
+    assert rel_rms(y, y_ref) <= TOL
+    assert torch.equal(new_tails, tails_ref)  # copies of inputs, no arithmetic
+
+
+def test_causal_conv_packed_tail_of_a_short_sequence_keeps_old_inputs():
+    """A 1-token sequence's new tail is its old tail shifted by one, then the token."""
+    layout = BatchLayout.make([0, 1], [7, 7], [1, 2])
+    x, tails = torch.arange(6.0).view(3, 2), torch.arange(100.0, 112.0).view(2, 2, 3)
+    _, new_tails = causal_conv_packed(x, torch.ones(2, 1, 4), tails, layout)
+    assert new_tails[0].tolist() == [[101.0, 102.0, 0.0], [104.0, 105.0, 1.0]]
+    assert new_tails[1].tolist() == [[108.0, 2.0, 4.0], [111.0, 3.0, 5.0]]

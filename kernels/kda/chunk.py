@@ -23,6 +23,7 @@ import math
 import torch
 
 from kernels.kda.triton_chunk import chunk_kda_triton
+from kernels.kda.triton_recurrent import _decode_step_torch
 from kernels.kda.utils import (
     check_inputs,
     check_scale,
@@ -356,6 +357,8 @@ def chunk_kda_torch(
     V = v.shape[-1]
     C = chunk_size
     bounds = None if cu_seqlens is None else seq_bounds(cu_seqlens, B, T)
+    if bounds is not None and any(eos - bos == 1 for bos, eos in bounds) and not needs_grad(q, k, v, g, beta, initial_state):
+        return _split_single_steps(q, k, v, g, beta, scale, initial_state, output_final_state, bounds, chunk_size)
     N = B if bounds is None else len(bounds)
     NT = -(-(T if bounds is None else max(eos - bos for bos, eos in bounds)) // C)
     if NT == 0:
@@ -377,6 +380,47 @@ def chunk_kda_torch(
     else:
         o = torch.cat([o[i_n, : eos - bos] for i_n, (bos, eos) in enumerate(bounds)])[None]
     return o, (S.view(N, H, K, V) if output_final_state else None)
+
+
+@torch.no_grad()
+def _split_single_steps(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+    bounds: list[tuple[int, int]],
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`chunk_kda_torch` for a varlen batch with one-token sequences (no autograd): those take one
+    batched recurrent step (:func:`~kernels.kda.triton_recurrent._decode_step_torch`) instead of a
+    zero-padded chunk each (a mixed engine step: many decode tokens beside a few prompt chunks); the
+    others go through the chunked path as a smaller varlen batch. Same math, another rounding order."""
+    H, K, V = q.shape[2], q.shape[3], v.shape[-1]
+    N = len(bounds)
+    single = [i for i, (bos, eos) in enumerate(bounds) if eos - bos == 1]
+    multi = [i for i, (bos, eos) in enumerate(bounds) if eos - bos > 1]
+    S = q.new_zeros(N, H, K, V, dtype=torch.float) if initial_state is None else initial_state.float().clone()
+    o = q.new_empty(1, q.shape[1], H, V, dtype=torch.float)
+    rows = torch.tensor([bounds[i][0] for i in single], device=q.device)
+    o_1, _ = _decode_step_torch(
+        *(x[0, rows].unsqueeze(1) for x in (q, k, v, g, beta)), scale, S, torch.tensor(single, device=q.device)
+    )
+    o[0, rows] = o_1[:, 0]
+    if multi:
+        tokens = torch.tensor([t for i in multi for t in range(*bounds[i])], device=q.device)
+        lengths = torch.tensor([0] + [bounds[i][1] - bounds[i][0] for i in multi], device=q.device)
+        idx = torch.tensor(multi, device=q.device)
+        o_m, S_m = chunk_kda_torch(
+            *(x.index_select(1, tokens) for x in (q, k, v, g, beta)), scale, S.index_select(0, idx), True,
+            lengths.cumsum(0), chunk_size,
+        )
+        o[0, tokens] = o_m[0]
+        S.index_copy_(0, idx, S_m)
+    return o, (S if output_final_state else None)
 
 
 def chunk_kda(

@@ -119,6 +119,17 @@ def test_chunk_torch_varlen(with_h0):
     assert_close(o, s, *oracle(*inputs, h0, cu))
 
 
+@pytest.mark.parametrize("lengths", [(1, 3, 63, 64, 65), (1, 1, 1), (1, 0, 1, 5), (64, 1)])
+@pytest.mark.parametrize("with_h0", [False, True])
+def test_chunk_torch_varlen_with_one_token_sequences(lengths, with_h0):
+    """One-token sequences take a batched recurrent step beside the chunked rest: same results."""
+    inputs, h0, cu = varlen_inputs(list(lengths), 2, 48, 40, seed=len(lengths), with_h0=with_h0)
+    o, s = chunk_kda(*inputs, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    assert_close(o, s, *oracle(*inputs, h0, cu), tol=1e-5)
+    if with_h0 and 0 in lengths:
+        assert torch.equal(s[lengths.index(0)], h0[lengths.index(0)])
+
+
 def test_chunk_torch_empty_sequence_in_varlen():
     inputs, h0, cu = varlen_inputs([5, 0, 20], 1, 16, 16)
     o, s = chunk_kda(*inputs, initial_state=h0, output_final_state=True, cu_seqlens=cu)

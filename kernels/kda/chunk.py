@@ -19,6 +19,7 @@ however strong the decay; results below ``exp(MIN_EXPONENT)`` are flushed to 0.
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -45,7 +46,28 @@ MAX_EXPONENT = 30.0
 MAX_EXPONENT_NO_GRAD = 60.0
 MIN_EXPONENT = -80.0
 
-Bounds = list[tuple[int, int]] | None  # (bos, eos) of packed sequences, or None for equal-length rows
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Where the tokens of packed sequences (``B == 1``) go in the zero-padded layout ``[N, NT * C]``."""
+
+    num_seqs: int  # N
+    src: torch.Tensor  # [n] int64: token rows of the packed input, sequence after sequence
+    dst: torch.Tensor  # [n] int64: the same tokens' rows in the padded layout flattened to [N * NT * C]
+
+    @classmethod
+    def make(cls, bounds: list[tuple[int, int]], NT: int, C: int, device: torch.device) -> "Packing":
+        """From the ``(bos, eos)`` of each sequence (any subset of the packed input's sequences)."""
+        N = len(bounds)
+        bos = torch.tensor([b for b, _ in bounds], dtype=torch.int64)
+        lengths = torch.tensor([e - b for b, e in bounds], dtype=torch.int64)
+        seq = torch.repeat_interleave(torch.arange(N), lengths)
+        pos = torch.arange(seq.numel()) - (lengths.cumsum(0) - lengths)[seq]  # step within its sequence
+        return cls(N, (bos[seq] + pos).to(device), (seq * (NT * C) + pos).to(device))
+
+
+Bounds = Packing | None  # packed sequences, or None for equal-length rows
 
 
 def _exp(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
@@ -207,14 +229,14 @@ def _chunk_view(x: torch.Tensor, bounds: Bounds, NT: int, C: int) -> torch.Tenso
     """``[B, T, H, ...]`` -> chunk-major view ``[NT, N, H, C, ...]``, each sequence zero-padded to ``NT * C``
     steps (a copy only where padding or unpacking is needed).
 
-    ``bounds`` lists the ``(bos, eos)`` of packed sequences (B == 1), or is None for equal-length rows.
+    ``bounds`` places packed sequences (B == 1; one gather and one scatter for all of them), or is None
+    for equal-length rows.
     """
     B, T, H = x.shape[:3]
     rest = x.shape[3:]
     if bounds is not None:
-        padded = x.new_zeros(len(bounds), NT * C, H, *rest)
-        for i_n, (bos, eos) in enumerate(bounds):
-            padded[i_n, : eos - bos] = x[0, bos:eos]
+        padded = x.new_zeros(bounds.num_seqs, NT * C, H, *rest)
+        padded.view(-1, H, *rest).index_copy_(0, bounds.dst, x[0].index_select(0, bounds.src))
         x = padded
     elif T < NT * C:
         x = torch.cat([x, x.new_zeros(B, NT * C - T, H, *rest)], 1)
@@ -351,35 +373,60 @@ def chunk_kda_torch(
     everything else is batched over all chunks of all sequences and heads, laid out chunk-major
     ``[NT, N * H, C, ...]`` so that each step of that loop reads and writes contiguous blocks. Under
     autograd this is :func:`_chunks_autograd`; otherwise :func:`_chunks_no_grad` does the same in place,
-    slab by slab.
+    slab by slab. Without autograd, one-token sequences of a varlen batch take one recurrent step
+    (:func:`_split_single_steps`).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
-    C = chunk_size
     bounds = None if cu_seqlens is None else seq_bounds(cu_seqlens, B, T)
     if bounds is not None and any(eos - bos == 1 for bos, eos in bounds) and not needs_grad(q, k, v, g, beta, initial_state):
         return _split_single_steps(q, k, v, g, beta, scale, initial_state, output_final_state, bounds, chunk_size)
     N = B if bounds is None else len(bounds)
-    NT = -(-(T if bounds is None else max(eos - bos for bos, eos in bounds)) // C)
-    if NT == 0:
-        S = q.new_zeros(N, H, K, V, dtype=torch.float) if initial_state is None else initial_state.float().clone()
-        return q.new_zeros(B, T, H, V, dtype=torch.float), (S if output_final_state else None)
-
     if initial_state is None:
-        S = q.new_zeros(N * H, K, V, dtype=torch.float)
+        S = q.new_zeros(N, H, K, V, dtype=torch.float)
     else:
-        S = initial_state.float().reshape(N * H, K, V)
-    if needs_grad(q, k, v, g, beta, initial_state):
-        o, S = _chunks_autograd(q, k, v, g, beta, scale, S, bounds, NT, C)
+        S = initial_state.float()
+    o, S, packing = _chunked(q, k, v, g, beta, scale, S, bounds, chunk_size)
+    if o is None:
+        o = q.new_zeros(B, T, H, V, dtype=torch.float)
+    elif bounds is None:
+        o = o[:, :T]
+    else:  # the sequences cover the packed input in order: the gathered rows are its tokens
+        o = o.flatten(0, 1).index_select(0, packing.dst)[None]
+    return o, (S if output_final_state else None)
+
+
+def _chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    S: torch.Tensor,
+    bounds: list[tuple[int, int]] | None,
+    C: int,
+) -> tuple[torch.Tensor | None, torch.Tensor, Bounds]:
+    """The chunked forward of :func:`chunk_kda_torch` from the fp32 state ``S`` ``[N, H, K, V]``, for equal-length
+    rows (``bounds`` None) or the packed sequences at ``bounds`` (any subset, in any order).
+
+    Returns ``o`` zero-padded ``[N, NT * C, H, V]`` fp32 (None when NT == 0), the final state ``[N, H, K, V]``
+    (``S`` itself when NT == 0) and the :class:`Packing` used (None for equal-length rows)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    N = B if bounds is None else len(bounds)
+    NT = -(-(T if bounds is None else max(eos - bos for bos, eos in bounds)) // C)
+    packing = None if bounds is None or NT == 0 else Packing.make(bounds, NT, C, q.device)
+    if NT == 0:
+        return None, S.clone(), packing
+    S = S.reshape(N * H, K, V)
+    if needs_grad(q, k, v, g, beta, S):
+        o, S = _chunks_autograd(q, k, v, g, beta, scale, S, packing, NT, C)
         o = o.view(NT, N, H, C, V).permute(1, 0, 3, 2, 4).reshape(N, NT * C, H, V)
     else:
         o = q.new_empty(N, NT * C, H, V, dtype=torch.float)
-        S = _chunks_no_grad(q, k, v, g, beta, scale, S, bounds, NT, C, o)
-    if bounds is None:
-        o = o[:, :T]
-    else:
-        o = torch.cat([o[i_n, : eos - bos] for i_n, (bos, eos) in enumerate(bounds)])[None]
-    return o, (S.view(N, H, K, V) if output_final_state else None)
+        S = _chunks_no_grad(q, k, v, g, beta, scale, S, packing, NT, C, o)
+    return o, S.view(N, H, K, V), packing
 
 
 @torch.no_grad()
@@ -398,7 +445,7 @@ def _split_single_steps(
     """:func:`chunk_kda_torch` for a varlen batch with one-token sequences (no autograd): those take one
     batched recurrent step (:func:`~kernels.kda.triton_recurrent._decode_step_torch`) instead of a
     zero-padded chunk each (a mixed engine step: many decode tokens beside a few prompt chunks); the
-    others go through the chunked path as a smaller varlen batch. Same math, another rounding order."""
+    others go through the chunked path in place. Same math, another rounding order."""
     H, K, V = q.shape[2], q.shape[3], v.shape[-1]
     N = len(bounds)
     single = [i for i, (bos, eos) in enumerate(bounds) if eos - bos == 1]
@@ -411,14 +458,9 @@ def _split_single_steps(
     )
     o[0, rows] = o_1[:, 0]
     if multi:
-        tokens = torch.tensor([t for i in multi for t in range(*bounds[i])], device=q.device)
-        lengths = torch.tensor([0] + [bounds[i][1] - bounds[i][0] for i in multi], device=q.device)
         idx = torch.tensor(multi, device=q.device)
-        o_m, S_m = chunk_kda_torch(
-            *(x.index_select(1, tokens) for x in (q, k, v, g, beta)), scale, S.index_select(0, idx), True,
-            lengths.cumsum(0), chunk_size,
-        )
-        o[0, tokens] = o_m[0]
+        o_m, S_m, packing = _chunked(q, k, v, g, beta, scale, S.index_select(0, idx), [bounds[i] for i in multi], chunk_size)
+        o[0].index_copy_(0, packing.src, o_m.flatten(0, 1).index_select(0, packing.dst))
         S.index_copy_(0, idx, S_m)
     return o, (S if output_final_state else None)
 

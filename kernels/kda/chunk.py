@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.kda.triton_chunk import chunk_kda_triton
-from kernels.kda.triton_recurrent import _decode_step_torch
+from kernels.kda.triton_recurrent import _check_pool, _decode_step_torch
 from kernels.kda.utils import (
     check_inputs,
     check_scale,
@@ -364,6 +364,7 @@ def chunk_kda_torch(
     output_final_state: bool,
     cu_seqlens: torch.Tensor | None,
     chunk_size: int,
+    ssm_state_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA in plain torch (autograd-friendly); inputs must already be validated.
 
@@ -374,14 +375,26 @@ def chunk_kda_torch(
     ``[NT, N * H, C, ...]`` so that each step of that loop reads and writes contiguous blocks. Under
     autograd this is :func:`_chunks_autograd`; otherwise :func:`_chunks_no_grad` does the same in place,
     slab by slab. Without autograd, one-token sequences of a varlen batch take one recurrent step
-    (:func:`_split_single_steps`).
+    (:func:`_split_single_steps`), on their pool rows in place when given ``ssm_state_indices``.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
     bounds = None if cu_seqlens is None else seq_bounds(cu_seqlens, B, T)
-    if bounds is not None and any(eos - bos == 1 for bos, eos in bounds) and not needs_grad(q, k, v, g, beta, initial_state):
-        return _split_single_steps(q, k, v, g, beta, scale, initial_state, output_final_state, bounds, chunk_size)
+    state = None if ssm_state_indices is not None else initial_state  # a pool is not differentiated
+    split = bounds is not None and any(eos - bos == 1 for bos, eos in bounds) and not needs_grad(q, k, v, g, beta, state)
+    if ssm_state_indices is not None:  # initial_state is a pool, read and updated in place
+        if split:
+            return _split_single_steps(q, k, v, g, beta, scale, initial_state, ssm_state_indices, bounds, chunk_size)
+        o, final = chunk_kda_torch(q, k, v, g, beta, scale, initial_state.index_select(0, ssm_state_indices), True,
+                                   cu_seqlens, chunk_size)
+        with torch.no_grad():
+            initial_state.index_copy_(0, ssm_state_indices, final.detach())
+        return o, initial_state
     N = B if bounds is None else len(bounds)
+    if split:
+        pool = q.new_zeros(N, H, K, V, dtype=torch.float) if initial_state is None else initial_state.float().clone()
+        o, pool = _split_single_steps(q, k, v, g, beta, scale, pool, torch.arange(N, device=q.device), bounds, chunk_size)
+        return o, (pool if output_final_state else None)
     if initial_state is None:
         S = q.new_zeros(N, H, K, V, dtype=torch.float)
     else:
@@ -437,32 +450,32 @@ def _split_single_steps(
     g: torch.Tensor,
     beta: torch.Tensor,
     scale: float,
-    initial_state: torch.Tensor | None,
-    output_final_state: bool,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
     bounds: list[tuple[int, int]],
     chunk_size: int,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`chunk_kda_torch` for a varlen batch with one-token sequences (no autograd): those take one
-    batched recurrent step (:func:`~kernels.kda.triton_recurrent._decode_step_torch`) instead of a
-    zero-padded chunk each (a mixed engine step: many decode tokens beside a few prompt chunks); the
-    others go through the chunked path in place. Same math, another rounding order."""
-    H, K, V = q.shape[2], q.shape[3], v.shape[-1]
-    N = len(bounds)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`chunk_kda_torch` for a varlen batch with one-token sequences (no autograd), the states read from
+    and written to ``pool`` ``[P, H, K, V]`` fp32 at ``slots`` ``[N]``: the one-token sequences take one batched
+    recurrent step on their pool rows in place (:func:`~kernels.kda.triton_recurrent._decode_step_torch`)
+    instead of a zero-padded chunk each (a mixed engine step: many decode tokens beside a few prompt chunks);
+    the others go through the chunked path, their input rows read in place. Same math, another rounding
+    order. Returns ``(o [1, T, H, V] fp32, pool)``."""
+    H, V = q.shape[2], v.shape[-1]
     single = [i for i, (bos, eos) in enumerate(bounds) if eos - bos == 1]
     multi = [i for i, (bos, eos) in enumerate(bounds) if eos - bos > 1]
-    S = q.new_zeros(N, H, K, V, dtype=torch.float) if initial_state is None else initial_state.float().clone()
     o = q.new_empty(1, q.shape[1], H, V, dtype=torch.float)
     rows = torch.tensor([bounds[i][0] for i in single], device=q.device)
     o_1, _ = _decode_step_torch(
-        *(x[0, rows].unsqueeze(1) for x in (q, k, v, g, beta)), scale, S, torch.tensor(single, device=q.device)
+        *(x[0, rows].unsqueeze(1) for x in (q, k, v, g, beta)), scale, pool, slots[torch.tensor(single, device=q.device)]
     )
     o[0, rows] = o_1[:, 0]
     if multi:
-        idx = torch.tensor(multi, device=q.device)
-        o_m, S_m, packing = _chunked(q, k, v, g, beta, scale, S.index_select(0, idx), [bounds[i] for i in multi], chunk_size)
+        idx = slots[torch.tensor(multi, device=q.device)]
+        o_m, S_m, packing = _chunked(q, k, v, g, beta, scale, pool.index_select(0, idx), [bounds[i] for i in multi], chunk_size)
         o[0].index_copy_(0, packing.src, o_m.flatten(0, 1).index_select(0, packing.dst))
-        S.index_copy_(0, idx, S_m)
-    return o, (S if output_final_state else None)
+        pool.index_copy_(0, idx, S_m)
+    return o, pool
 
 
 def chunk_kda(
@@ -478,6 +491,7 @@ def chunk_kda(
     use_qk_l2norm_in_kernel: bool = False,
     chunk_size: int = 64,
     backend: str = "auto",
+    ssm_state_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA for prefill and training.
 
@@ -488,37 +502,55 @@ def chunk_kda(
         g: log-space decay per key channel ``[B, T, H, K]`` (<= 0).
         beta: write strength ``[B, T, H]`` (already through sigmoid).
         scale: query scale, default ``K ** -0.5``.
-        initial_state: ``[N, H, K, V]`` (any float dtype, used in fp32); zeros when None.
-        output_final_state: also return the state after each sequence's last step.
+        initial_state: without ``ssm_state_indices``, ``[N, H, K, V]`` (any float dtype, used in fp32, never
+            modified); zeros when None. With ``ssm_state_indices``, a contiguous fp32 state pool ``[P, H, K, V]``:
+            each sequence starts from its slot's state, and its final state is written there (in place, outside
+            autograd: the pool is not differentiated).
+        output_final_state: also return the state after each sequence's last step (ignored with indices).
         cu_seqlens: ``[N + 1]`` int64 offsets of sequences packed along T; requires ``B == 1``.
         use_qk_l2norm_in_kernel: L2-normalise q and k per head first.
         chunk_size: steps per chunk; <= 16 or a multiple of 16 (torch), a power of two >= 16 (Triton).
         backend: "auto" (Triton on CUDA unless autograd is needed, else torch), "torch" or "triton"
             (forward-only; on CPU only under ``TRITON_INTERPRET=1``).
+        ssm_state_indices: ``[N]`` int64 distinct pool slot of each sequence (no -1 padding here), as in
+            :func:`~kernels.kda.triton_recurrent.fused_recurrent_kda`. On the torch path without autograd,
+            one-token sequences of a varlen batch then update their slots without any copy of the states.
 
     Returns:
-        ``(o, final_state)``: o ``[B, T, H, V]`` in v's dtype; final_state ``[N, H, K, V]`` fp32, or None
-        unless ``output_final_state``.
+        ``(o, final_state)``: o ``[B, T, H, V]`` in v's dtype; final_state is the pool itself with
+        ``ssm_state_indices``, else ``[N, H, K, V]`` fp32, or None unless ``output_final_state``.
     """
     N = check_inputs(q, k, v, g, beta, cu_seqlens)
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = check_scale(scale, K)
-    if initial_state is not None:
+    if ssm_state_indices is not None:
+        _check_pool(initial_state, ssm_state_indices, N, H, K, V, q.device)
+        if q.device.type == "cpu" and bool((ssm_state_indices < 0).any()):
+            raise ValueError(f"chunk_kda takes no padding sequences (-1) in ssm_state_indices, got {ssm_state_indices.tolist()}")
+    elif initial_state is not None:
         check_state(initial_state, N, H, K, V)
         if initial_state.device != q.device:
             raise ValueError(f"initial_state is on {initial_state.device} but q is on {q.device}")
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    backend = resolve_backend(backend, q.device, needs_grad(q, k, v, g, beta, initial_state))
+    state_grad = ssm_state_indices is None and needs_grad(initial_state)
+    backend = resolve_backend(backend, q.device, needs_grad(q, k, v, g, beta) or state_grad)
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q.float()), l2norm(k.float())
     if backend == "triton":
         if chunk_size < 16 or chunk_size & (chunk_size - 1):
             raise ValueError(f"the Triton chunk path needs chunk_size a power of two >= 16, got {chunk_size}")
-        o, final_state = chunk_kda_triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
+        if ssm_state_indices is None:
+            o, final_state = chunk_kda_triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
+        else:
+            o, final = chunk_kda_triton(q, k, v, g, beta, scale, initial_state.index_select(0, ssm_state_indices), True,
+                                        cu_seqlens, chunk_size)
+            initial_state.index_copy_(0, ssm_state_indices, final)
+            final_state = initial_state
     else:
         if chunk_size > SUB_CHUNK and chunk_size % SUB_CHUNK:
             raise ValueError(f"chunk_size must be <= {SUB_CHUNK} or a multiple of {SUB_CHUNK}, got {chunk_size}")
-        o, final_state = chunk_kda_torch(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
+        o, final_state = chunk_kda_torch(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
+                                         ssm_state_indices)
     return o.to(v.dtype), final_state

@@ -169,19 +169,22 @@ class KimiDeltaAttention(nn.Module):
             )
             o = o.transpose(0, 1)
         else:
-            init = None
-            if not layout.fresh:
-                init = pool.kda_state[i].index_select(0, layout.slot_index)
-                init[torch.tensor(layout.starts, device=x.device) == 0] = 0
+            n = layout.num_seqs
             if layout.uniform:  # equal lengths: a plain batch, no varlen bookkeeping
-                n = layout.num_seqs
-                o, final = chunk_kda(*(t.view(n, T // n, *t.shape[2:]) for t in (q, k, v, g, beta)),
-                                     initial_state=init, output_final_state=True)
+                args, cu = [t.view(n, T // n, *t.shape[2:]) for t in (q, k, v, g, beta)], None
             else:
-                o, final = chunk_kda(q, k, v, g, beta, initial_state=init, output_final_state=True,
-                                     cu_seqlens=layout.cu_seqlens)
-            with torch.no_grad():
-                pool.kda_state[i].index_copy_(0, layout.slot_index, final.detach().float())
+                args, cu = [q, k, v, g, beta], layout.cu_seqlens
+            if layout.fresh:  # from zero states, written to the slots after
+                o, final = chunk_kda(*args, output_final_state=True, cu_seqlens=cu)
+                with torch.no_grad():
+                    pool.kda_state[i].index_copy_(0, layout.slot_index, final.detach().float())
+            else:  # the slots' states read and updated in place (one-token chunks copy no state at all)
+                state = pool.kda_state[i]
+                fresh = [slot for slot, start in zip(layout.slots, layout.starts) if start == 0]
+                if fresh:
+                    with torch.no_grad():
+                        state.index_fill_(0, torch.tensor(fresh, device=x.device), 0.0)
+                o, _ = chunk_kda(*args, initial_state=state, cu_seqlens=cu, ssm_state_indices=layout.slot_index)
         o = gated_rms_norm(o.reshape(T, H, D), self.output_gate(x).view(T, H, D), self.o_norm)
         return self.o_proj(o.reshape(T, H * D).to(x.dtype))
 

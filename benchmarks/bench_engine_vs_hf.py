@@ -122,12 +122,19 @@ def run_engine(model, tok, prompt_list: list[list[int]], n: int) -> dict:
     w0, c0 = time.perf_counter(), time.process_time()
     for i, p in enumerate(prompt_list):
         engine.add_request(GenerationRequest(f"r{i}", p, n, ignore_eos=True))
+    prefill_s, prefill_steps = None, 0
     while engine.has_unfinished():
         for o in engine.step():
             out[o.request_id] += o.new_token_ids
+        if prefill_s is None:
+            prefill_steps += 1
+            if all(out.values()):  # every request has its first token: the prompts are in
+                prefill_s = time.perf_counter() - w0
     wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+    decode_steps = engine.stats.steps - prefill_steps
     return {"tokens": [out[f"r{i}"] for i in range(len(prompt_list))], "wall_s": wall, "cpu_s": cpu,
-            "steps": engine.stats.steps}
+            "steps": engine.stats.steps, "prefill_s": prefill_s, "prefill_steps": prefill_steps,
+            "decode_ms_per_step": 1e3 * (wall - prefill_s) / max(1, decode_steps)}
 
 
 def compare(got: list[list[int]], ref: list[list[int]], gaps: list[list[float]]) -> dict:
@@ -246,6 +253,9 @@ def main() -> int:
         "hf_vs_deltaserve_logits_rel_rms": hf_logits_rel_rms,
         "config_fields_added_for_transformers": added,
         "engine_steps": engine_runs[-1]["steps"], "engine_runs_identical": engine_consistent,
+        "engine_prefill_steps": engine_runs[-1]["prefill_steps"],
+        "engine_prefill_ms": round(1e3 * statistics.median(r["prefill_s"] for r in engine_runs), 2),
+        "engine_decode_ms_per_step": round(statistics.median(r["decode_ms_per_step"] for r in engine_runs), 3),
         "engine_wall_s_runs": [round(r["wall_s"], 4) for r in engine_runs],
         "hf_batched_wall_s_runs": [round(w, 4) for w in hf["batched"]["wall_s"]],
         "hf_load_s": round(hf["load_s"], 2), "transformers": hf["transformers"], "hf_torch": hf["torch"],
@@ -271,6 +281,9 @@ def main() -> int:
         f"(accepting a divergence only where the reference's top-two logits are < {NEAR_TIE:g} apart): "
         f"all systems ok: {tokens_ok}. Reference: {summary['reference_near_ties']} near-ties in "
         f"{len(all_gaps)} steps (smallest gap {min(all_gaps):.3g}).\n\n"
+        f"Engine split (wall, medians): prefill {summary['engine_prefill_ms']} ms (its first "
+        f"{summary['engine_prefill_steps']} steps, until every request has its first token), then "
+        f"{summary['engine_decode_ms_per_step']} ms per step.\n\n"
         f"wall_s: median per run of all {total} tokens (prefill included); engine runs "
         f"{summary['engine_wall_s_runs']} s, HF batched runs {summary['hf_batched_wall_s_runs']} s. "
         f"cpu_tokens_per_s uses process CPU time. Machine: 2 shared CPU cores, load average "
@@ -297,6 +310,8 @@ def main() -> int:
               f"  {r['identical']:>9s}  {r['near_tie_divergences']:4d}  {r['mismatches']:10d}")
     print(f"\nengine / HF batched = {speedup:.2f}x wall ({rows[1]['engine_speedup_cpu']:.2f}x CPU time); "
           f"target >= {SPEEDUP_TARGET:g}x: {'met' if speedup >= SPEEDUP_TARGET else 'NOT met'}; tokens ok: {tokens_ok}")
+    print(f"engine: prefill {summary['engine_prefill_ms']} ms ({summary['engine_prefill_steps']} steps), then "
+          f"{summary['engine_decode_ms_per_step']} ms per step")
     print(f"checkpoint: deltaserve reload exact={load_exact}, HF logits rel RMS {hf_logits_rel_rms:.2e}; "
           f"added to config.json: {added}")
     print(f"elapsed {summary['elapsed_s']} s")

@@ -19,10 +19,12 @@ however strong the decay; results below ``exp(MIN_EXPONENT)`` are flushed to 0.
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from kernels.kda.triton_chunk import chunk_kda_triton
+from kernels.kda.triton_recurrent import _check_pool, _decode_step_torch
 from kernels.kda.utils import (
     check_inputs,
     check_scale,
@@ -44,7 +46,28 @@ MAX_EXPONENT = 30.0
 MAX_EXPONENT_NO_GRAD = 60.0
 MIN_EXPONENT = -80.0
 
-Bounds = list[tuple[int, int]] | None  # (bos, eos) of packed sequences, or None for equal-length rows
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Where the tokens of packed sequences (``B == 1``) go in the zero-padded layout ``[N, NT * C]``."""
+
+    num_seqs: int  # N
+    src: torch.Tensor  # [n] int64: token rows of the packed input, sequence after sequence
+    dst: torch.Tensor  # [n] int64: the same tokens' rows in the padded layout flattened to [N * NT * C]
+
+    @classmethod
+    def make(cls, bounds: list[tuple[int, int]], NT: int, C: int, device: torch.device) -> "Packing":
+        """From the ``(bos, eos)`` of each sequence (any subset of the packed input's sequences)."""
+        N = len(bounds)
+        bos = torch.tensor([b for b, _ in bounds], dtype=torch.int64)
+        lengths = torch.tensor([e - b for b, e in bounds], dtype=torch.int64)
+        seq = torch.repeat_interleave(torch.arange(N), lengths)
+        pos = torch.arange(seq.numel()) - (lengths.cumsum(0) - lengths)[seq]  # step within its sequence
+        return cls(N, (bos[seq] + pos).to(device), (seq * (NT * C) + pos).to(device))
+
+
+Bounds = Packing | None  # packed sequences, or None for equal-length rows
 
 
 def _exp(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
@@ -206,14 +229,14 @@ def _chunk_view(x: torch.Tensor, bounds: Bounds, NT: int, C: int) -> torch.Tenso
     """``[B, T, H, ...]`` -> chunk-major view ``[NT, N, H, C, ...]``, each sequence zero-padded to ``NT * C``
     steps (a copy only where padding or unpacking is needed).
 
-    ``bounds`` lists the ``(bos, eos)`` of packed sequences (B == 1), or is None for equal-length rows.
+    ``bounds`` places packed sequences (B == 1; one gather and one scatter for all of them), or is None
+    for equal-length rows.
     """
     B, T, H = x.shape[:3]
     rest = x.shape[3:]
     if bounds is not None:
-        padded = x.new_zeros(len(bounds), NT * C, H, *rest)
-        for i_n, (bos, eos) in enumerate(bounds):
-            padded[i_n, : eos - bos] = x[0, bos:eos]
+        padded = x.new_zeros(bounds.num_seqs, NT * C, H, *rest)
+        padded.view(-1, H, *rest).index_copy_(0, bounds.dst, x[0].index_select(0, bounds.src))
         x = padded
     elif T < NT * C:
         x = torch.cat([x, x.new_zeros(B, NT * C - T, H, *rest)], 1)
@@ -341,6 +364,7 @@ def chunk_kda_torch(
     output_final_state: bool,
     cu_seqlens: torch.Tensor | None,
     chunk_size: int,
+    ssm_state_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA in plain torch (autograd-friendly); inputs must already be validated.
 
@@ -350,33 +374,108 @@ def chunk_kda_torch(
     everything else is batched over all chunks of all sequences and heads, laid out chunk-major
     ``[NT, N * H, C, ...]`` so that each step of that loop reads and writes contiguous blocks. Under
     autograd this is :func:`_chunks_autograd`; otherwise :func:`_chunks_no_grad` does the same in place,
-    slab by slab.
+    slab by slab. Without autograd, one-token sequences of a varlen batch take one recurrent step
+    (:func:`_split_single_steps`), on their pool rows in place when given ``ssm_state_indices``.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
-    C = chunk_size
     bounds = None if cu_seqlens is None else seq_bounds(cu_seqlens, B, T)
+    state = None if ssm_state_indices is not None else initial_state  # a pool is not differentiated
+    split = bounds is not None and any(eos - bos == 1 for bos, eos in bounds) and not needs_grad(q, k, v, g, beta, state)
+    if ssm_state_indices is not None:  # initial_state is a pool, read and updated in place
+        if split:
+            return _split_single_steps(q, k, v, g, beta, scale, initial_state, ssm_state_indices, bounds, chunk_size)
+        o, final = chunk_kda_torch(q, k, v, g, beta, scale, initial_state.index_select(0, ssm_state_indices), True,
+                                   cu_seqlens, chunk_size)
+        with torch.no_grad():
+            initial_state.index_copy_(0, ssm_state_indices, final.detach())
+        return o, initial_state
+    N = B if bounds is None else len(bounds)
+    if split:
+        pool = q.new_zeros(N, H, K, V, dtype=torch.float) if initial_state is None else initial_state.float().clone()
+        o, pool = _split_single_steps(q, k, v, g, beta, scale, pool, torch.arange(N, device=q.device), bounds, chunk_size)
+        return o, (pool if output_final_state else None)
+    if initial_state is None:
+        S = q.new_zeros(N, H, K, V, dtype=torch.float)
+    else:
+        S = initial_state.float()
+    o, S, packing = _chunked(q, k, v, g, beta, scale, S, bounds, chunk_size)
+    if o is None:
+        o = q.new_zeros(B, T, H, V, dtype=torch.float)
+    elif bounds is None:
+        o = o[:, :T]
+    else:  # the sequences cover the packed input in order: the gathered rows are its tokens
+        o = o.flatten(0, 1).index_select(0, packing.dst)[None]
+    return o, (S if output_final_state else None)
+
+
+def _chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    S: torch.Tensor,
+    bounds: list[tuple[int, int]] | None,
+    C: int,
+) -> tuple[torch.Tensor | None, torch.Tensor, Bounds]:
+    """The chunked forward of :func:`chunk_kda_torch` from the fp32 state ``S`` ``[N, H, K, V]``, for equal-length
+    rows (``bounds`` None) or the packed sequences at ``bounds`` (any subset, in any order).
+
+    Returns ``o`` zero-padded ``[N, NT * C, H, V]`` fp32 (None when NT == 0), the final state ``[N, H, K, V]``
+    (``S`` itself when NT == 0) and the :class:`Packing` used (None for equal-length rows)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
     N = B if bounds is None else len(bounds)
     NT = -(-(T if bounds is None else max(eos - bos for bos, eos in bounds)) // C)
+    packing = None if bounds is None or NT == 0 else Packing.make(bounds, NT, C, q.device)
     if NT == 0:
-        S = q.new_zeros(N, H, K, V, dtype=torch.float) if initial_state is None else initial_state.float().clone()
-        return q.new_zeros(B, T, H, V, dtype=torch.float), (S if output_final_state else None)
-
-    if initial_state is None:
-        S = q.new_zeros(N * H, K, V, dtype=torch.float)
-    else:
-        S = initial_state.float().reshape(N * H, K, V)
-    if needs_grad(q, k, v, g, beta, initial_state):
-        o, S = _chunks_autograd(q, k, v, g, beta, scale, S, bounds, NT, C)
+        return None, S.clone(), packing
+    S = S.reshape(N * H, K, V)
+    if needs_grad(q, k, v, g, beta, S):
+        o, S = _chunks_autograd(q, k, v, g, beta, scale, S, packing, NT, C)
         o = o.view(NT, N, H, C, V).permute(1, 0, 3, 2, 4).reshape(N, NT * C, H, V)
     else:
         o = q.new_empty(N, NT * C, H, V, dtype=torch.float)
-        S = _chunks_no_grad(q, k, v, g, beta, scale, S, bounds, NT, C, o)
-    if bounds is None:
-        o = o[:, :T]
-    else:
-        o = torch.cat([o[i_n, : eos - bos] for i_n, (bos, eos) in enumerate(bounds)])[None]
-    return o, (S.view(N, H, K, V) if output_final_state else None)
+        S = _chunks_no_grad(q, k, v, g, beta, scale, S, packing, NT, C, o)
+    return o, S.view(N, H, K, V), packing
+
+
+@torch.no_grad()
+def _split_single_steps(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    bounds: list[tuple[int, int]],
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`chunk_kda_torch` for a varlen batch with one-token sequences (no autograd), the states read from
+    and written to ``pool`` ``[P, H, K, V]`` fp32 at ``slots`` ``[N]``: the one-token sequences take one batched
+    recurrent step on their pool rows in place (:func:`~kernels.kda.triton_recurrent._decode_step_torch`)
+    instead of a zero-padded chunk each (a mixed engine step: many decode tokens beside a few prompt chunks);
+    the others go through the chunked path, their input rows read in place. Same math, another rounding
+    order. Returns ``(o [1, T, H, V] fp32, pool)``."""
+    H, V = q.shape[2], v.shape[-1]
+    single = [i for i, (bos, eos) in enumerate(bounds) if eos - bos == 1]
+    multi = [i for i, (bos, eos) in enumerate(bounds) if eos - bos > 1]
+    o = q.new_empty(1, q.shape[1], H, V, dtype=torch.float)
+    rows = torch.tensor([bounds[i][0] for i in single], device=q.device)
+    o_1, _ = _decode_step_torch(
+        *(x[0, rows].unsqueeze(1) for x in (q, k, v, g, beta)), scale, pool, slots[torch.tensor(single, device=q.device)]
+    )
+    o[0, rows] = o_1[:, 0]
+    if multi:
+        idx = slots[torch.tensor(multi, device=q.device)]
+        o_m, S_m, packing = _chunked(q, k, v, g, beta, scale, pool.index_select(0, idx), [bounds[i] for i in multi], chunk_size)
+        o[0].index_copy_(0, packing.src, o_m.flatten(0, 1).index_select(0, packing.dst))
+        pool.index_copy_(0, idx, S_m)
+    return o, pool
 
 
 def chunk_kda(
@@ -392,6 +491,7 @@ def chunk_kda(
     use_qk_l2norm_in_kernel: bool = False,
     chunk_size: int = 64,
     backend: str = "auto",
+    ssm_state_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA for prefill and training.
 
@@ -402,37 +502,55 @@ def chunk_kda(
         g: log-space decay per key channel ``[B, T, H, K]`` (<= 0).
         beta: write strength ``[B, T, H]`` (already through sigmoid).
         scale: query scale, default ``K ** -0.5``.
-        initial_state: ``[N, H, K, V]`` (any float dtype, used in fp32); zeros when None.
-        output_final_state: also return the state after each sequence's last step.
+        initial_state: without ``ssm_state_indices``, ``[N, H, K, V]`` (any float dtype, used in fp32, never
+            modified); zeros when None. With ``ssm_state_indices``, a contiguous fp32 state pool ``[P, H, K, V]``:
+            each sequence starts from its slot's state, and its final state is written there (in place, outside
+            autograd: the pool is not differentiated).
+        output_final_state: also return the state after each sequence's last step (ignored with indices).
         cu_seqlens: ``[N + 1]`` int64 offsets of sequences packed along T; requires ``B == 1``.
         use_qk_l2norm_in_kernel: L2-normalise q and k per head first.
         chunk_size: steps per chunk; <= 16 or a multiple of 16 (torch), a power of two >= 16 (Triton).
         backend: "auto" (Triton on CUDA unless autograd is needed, else torch), "torch" or "triton"
             (forward-only; on CPU only under ``TRITON_INTERPRET=1``).
+        ssm_state_indices: ``[N]`` int64 distinct pool slot of each sequence (no -1 padding here), as in
+            :func:`~kernels.kda.triton_recurrent.fused_recurrent_kda`. On the torch path without autograd,
+            one-token sequences of a varlen batch then update their slots without any copy of the states.
 
     Returns:
-        ``(o, final_state)``: o ``[B, T, H, V]`` in v's dtype; final_state ``[N, H, K, V]`` fp32, or None
-        unless ``output_final_state``.
+        ``(o, final_state)``: o ``[B, T, H, V]`` in v's dtype; final_state is the pool itself with
+        ``ssm_state_indices``, else ``[N, H, K, V]`` fp32, or None unless ``output_final_state``.
     """
     N = check_inputs(q, k, v, g, beta, cu_seqlens)
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = check_scale(scale, K)
-    if initial_state is not None:
+    if ssm_state_indices is not None:
+        _check_pool(initial_state, ssm_state_indices, N, H, K, V, q.device)
+        if q.device.type == "cpu" and bool((ssm_state_indices < 0).any()):
+            raise ValueError(f"chunk_kda takes no padding sequences (-1) in ssm_state_indices, got {ssm_state_indices.tolist()}")
+    elif initial_state is not None:
         check_state(initial_state, N, H, K, V)
         if initial_state.device != q.device:
             raise ValueError(f"initial_state is on {initial_state.device} but q is on {q.device}")
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    backend = resolve_backend(backend, q.device, needs_grad(q, k, v, g, beta, initial_state))
+    state_grad = ssm_state_indices is None and needs_grad(initial_state)
+    backend = resolve_backend(backend, q.device, needs_grad(q, k, v, g, beta) or state_grad)
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q.float()), l2norm(k.float())
     if backend == "triton":
         if chunk_size < 16 or chunk_size & (chunk_size - 1):
             raise ValueError(f"the Triton chunk path needs chunk_size a power of two >= 16, got {chunk_size}")
-        o, final_state = chunk_kda_triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
+        if ssm_state_indices is None:
+            o, final_state = chunk_kda_triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
+        else:
+            o, final = chunk_kda_triton(q, k, v, g, beta, scale, initial_state.index_select(0, ssm_state_indices), True,
+                                        cu_seqlens, chunk_size)
+            initial_state.index_copy_(0, ssm_state_indices, final)
+            final_state = initial_state
     else:
         if chunk_size > SUB_CHUNK and chunk_size % SUB_CHUNK:
             raise ValueError(f"chunk_size must be <= {SUB_CHUNK} or a multiple of {SUB_CHUNK}, got {chunk_size}")
-        o, final_state = chunk_kda_torch(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
+        o, final_state = chunk_kda_torch(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
+                                         ssm_state_indices)
     return o.to(v.dtype), final_state

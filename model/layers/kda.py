@@ -54,17 +54,40 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def causal_conv_packed(
     x: torch.Tensor, weight: torch.Tensor, tails: torch.Tensor, layout: BatchLayout
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv + SiLU over packed sequences.
+    """Depthwise causal conv + SiLU over packed sequences, all sequences in one pass.
 
     x: [T_total, C]; weight: [C, 1, W]; tails: [N, C, W-1] previous inputs (oldest first).
-    Returns (y [T_total, C], new tails [N, C, W-1]).
+    Returns (y [T_total, C], new tails [N, C, W-1] fp32).
+
+    Each sequence's tail goes in front of its tokens in one time-major buffer (``W-1`` extra rows per
+    sequence); the conv is then ``W`` multiply-adds of shifted row ranges of that buffer, and each token
+    reads its output row (rows whose window straddles two sequences are computed and dropped). Same result
+    as :func:`causal_conv_packed_reference` up to float rounding order.
     """
+    T, C = x.shape
+    N, W = layout.num_seqs, weight.shape[-1]
+    lengths = layout.cu_seqlens.diff()
+    seq = torch.repeat_interleave(torch.arange(N, device=x.device), lengths, output_size=T)
+    rows_x = torch.arange(T, device=x.device) + (W - 1) * (seq + 1)  # [T] each token's row in the buffer
+    rows_tail = ((layout.cu_seqlens[:-1] + (W - 1) * torch.arange(N, device=x.device))[:, None]
+                 + torch.arange(W - 1, device=x.device)).reshape(-1)  # [N * (W-1)] each old tail's rows
+    buf = x.new_empty(T + N * (W - 1), C)
+    buf.index_copy_(0, rows_x, x)
+    buf.index_copy_(0, rows_tail, tails.to(x.dtype).transpose(1, 2).reshape(N * (W - 1), C))
+    w = weight[:, 0].t().to(x.dtype)  # [W, C], one row per tap
+    R = T + (N - 1) * (W - 1)  # output rows: row r reads buffer rows r .. r+W-1
+    y = buf[:R] * w[0]
+    for j in range(1, W):
+        y.addcmul_(buf[j : j + R], w[j])
+    new_tails = buf.index_select(0, rows_tail + lengths.repeat_interleave(W - 1))  # the last W-1 rows of each
+    return F.silu(y.index_select(0, rows_x - (W - 1))), new_tails.view(N, W - 1, C).transpose(1, 2).float()
+
+
+def causal_conv_packed_reference(
+    x: torch.Tensor, weight: torch.Tensor, tails: torch.Tensor, layout: BatchLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`causal_conv_packed` one sequence at a time with ``F.conv1d`` (its reference)."""
     W = weight.shape[-1]
-    if layout.uniform:
-        n, L = layout.num_seqs, layout.lengths[0]
-        xx = torch.cat([tails.to(x.dtype), x.view(n, L, -1).transpose(1, 2)], dim=2)  # [N, C, W-1+L]
-        y = F.conv1d(xx, weight.to(x.dtype), groups=x.shape[-1])  # [N, C, L]
-        return F.silu(y).transpose(1, 2).reshape(n * L, -1), xx[:, :, -(W - 1):].float()
     ys, new_tails = [], []
     for i, (a, b) in enumerate(layout.spans):
         xx = torch.cat([tails[i].to(x.dtype), x[a:b].t()], dim=1)[None]  # [1, C, W-1+L]
@@ -125,14 +148,16 @@ class KimiDeltaAttention(nn.Module):
         if layout.is_decode:
             q, k, v = self._conv_decode(x, layout, pool.conv_state[i])
         else:
-            tails = pool.conv_state[i].index_select(0, layout.slot_index)  # [N, 3, P, W-1]
-            if layout.fresh:
-                tails = torch.zeros_like(tails)
-            q, tq = causal_conv_packed(self.q_proj(x), self.q_conv1d.weight, tails[:, 0], layout)
-            k, tk = causal_conv_packed(self.k_proj(x), self.k_conv1d.weight, tails[:, 1], layout)
-            v, tv = causal_conv_packed(self.v_proj(x), self.v_conv1d.weight, tails[:, 2], layout)
+            conv = pool.conv_state[i]  # [slots, 3, P, W-1]: the q, k, v convs' tails, run as one conv of 3P channels
+            N, P = layout.num_seqs, self.q_proj.out_features
+            tails = conv.new_zeros(N, 3 * P, conv.shape[-1]) if layout.fresh else conv.index_select(0, layout.slot_index).view(N, 3 * P, -1)
+            qkv, tails = causal_conv_packed(
+                torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1),
+                torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]), tails, layout,
+            )
+            q, k, v = qkv.split(P, dim=-1)
             with torch.no_grad():
-                pool.conv_state[i].index_copy_(0, layout.slot_index, torch.stack([tq, tk, tv], dim=1).detach())
+                conv.index_copy_(0, layout.slot_index, tails.view(N, *conv.shape[1:]).detach())
         q = l2norm(q.view(1, T, H, D))
         k = l2norm(k.view(1, T, H, D))
         v = v.view(1, T, H, D)
@@ -145,19 +170,22 @@ class KimiDeltaAttention(nn.Module):
             )
             o = o.transpose(0, 1)
         else:
-            init = None
-            if not layout.fresh:
-                init = pool.kda_state[i].index_select(0, layout.slot_index)
-                init[torch.tensor(layout.starts, device=x.device) == 0] = 0
+            n = layout.num_seqs
             if layout.uniform:  # equal lengths: a plain batch, no varlen bookkeeping
-                n = layout.num_seqs
-                o, final = chunk_kda(*(t.view(n, T // n, *t.shape[2:]) for t in (q, k, v, g, beta)),
-                                     initial_state=init, output_final_state=True)
+                args, cu = [t.view(n, T // n, *t.shape[2:]) for t in (q, k, v, g, beta)], None
             else:
-                o, final = chunk_kda(q, k, v, g, beta, initial_state=init, output_final_state=True,
-                                     cu_seqlens=layout.cu_seqlens)
-            with torch.no_grad():
-                pool.kda_state[i].index_copy_(0, layout.slot_index, final.detach().float())
+                args, cu = [q, k, v, g, beta], layout.cu_seqlens
+            if layout.fresh:  # from zero states, written to the slots after
+                o, final = chunk_kda(*args, output_final_state=True, cu_seqlens=cu)
+                with torch.no_grad():
+                    pool.kda_state[i].index_copy_(0, layout.slot_index, final.detach().float())
+            else:  # the slots' states read and updated in place (one-token chunks copy no state at all)
+                state = pool.kda_state[i]
+                fresh = [slot for slot, start in zip(layout.slots, layout.starts) if start == 0]
+                if fresh:
+                    with torch.no_grad():
+                        state.index_fill_(0, torch.tensor(fresh, device=x.device), 0.0)
+                o, _ = chunk_kda(*args, initial_state=state, cu_seqlens=cu, ssm_state_indices=layout.slot_index)
         o = gated_rms_norm(o.reshape(T, H, D), self.output_gate(x).view(T, H, D), self.o_norm)
         return self.o_proj(o.reshape(T, H * D).to(x.dtype))
 

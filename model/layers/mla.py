@@ -78,21 +78,50 @@ class MLAttention(nn.Module):
         elif layout.fresh and layout.uniform:
             n, L = layout.num_seqs, layout.lengths[0]
             o = self._attend(q.view(n, L, *q.shape[1:]), c.view(n, L, -1), 0).reshape(n * L, self.num_heads, self.v_dim)
+        elif fast_path_ok(x):
+            o = self._attend_grouped(q, c, layout, buffers)
         else:
-            outs = []
-            for slot, start, (a, b) in zip(layout.slots, layout.starts, layout.spans):
-                if start and fast_path_ok(x) and self._absorbed_is_cheaper(b - a):
-                    # a short chunk after a long context (a resumed turn): attend in latent space,
-                    # reading the cached latents in place instead of expanding keys and values for all of them
-                    outs.append(self._attend_latent(q[a:b], buffers[slot][: start + b - a], start))
-                    continue
-                ctx = c[a:b] if start == 0 else torch.cat([buffers[slot][:start].to(c.dtype), c[a:b]])
-                outs.append(self._attend(q[a:b][None], ctx[None], start)[0])
-            o = torch.cat(outs)
+            o = self._attend_each(q, c, layout, buffers, range(layout.num_seqs))
         o = o.reshape(x.shape[0], self.num_heads * self.v_dim)
         if self.use_output_gate:
             o = o * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o)
+
+    def _attend_each(
+        self, q: torch.Tensor, c: torch.Tensor, layout: BatchLayout, buffers: list[torch.Tensor], seqs
+    ) -> torch.Tensor:
+        """Prefill attention of the sequences ``seqs`` (indices into ``layout``) one at a time (the reference
+        of :meth:`_attend_grouped`): q [T, H, nope+rope] and c [T, rank+rope] packed as in ``layout``, the
+        chunk's latents already in ``buffers``. Returns their tokens' outputs, concatenated: [n, H, v]."""
+        outs = []
+        for i in seqs:
+            slot, start, (a, b) = layout.slots[i], layout.starts[i], layout.spans[i]
+            if start and fast_path_ok(q) and self._absorbed_is_cheaper(b - a):
+                # a short chunk after a long context (a resumed turn): attend in latent space,
+                # reading the cached latents in place instead of expanding keys and values for all of them
+                outs.append(self._attend_latent(q[a:b], buffers[slot][: start + b - a], start))
+                continue
+            ctx = c[a:b] if start == 0 else torch.cat([buffers[slot][:start].to(c.dtype), c[a:b]])
+            outs.append(self._attend(q[a:b][None], ctx[None], start)[0])
+        return torch.cat(outs)
+
+    def _attend_grouped(self, q: torch.Tensor, c: torch.Tensor, layout: BatchLayout, buffers: list[torch.Tensor]) -> torch.Tensor:
+        """:meth:`_attend_each` over all of ``layout`` (same math, fewer kernels; fp32 without autograd):
+        the one-token chunks after a context (decode tokens in a mixed step) as one :meth:`_decode`, the
+        other chunks one at a time (a zero-padded batch of fresh sequences measured no faster). [T, H, v]."""
+        spans = layout.spans
+        decode = [i for i, (start, n) in enumerate(zip(layout.starts, layout.lengths)) if n == 1 and start]
+        if len(decode) < 2:
+            return self._attend_each(q, c, layout, buffers, range(layout.num_seqs))
+        o = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
+        rows = torch.tensor([spans[i][0] for i in decode], device=q.device)
+        sub = BatchLayout.make([layout.slots[i] for i in decode], [layout.starts[i] for i in decode], [1] * len(decode), q.device)
+        o.index_copy_(0, rows, self._decode(q.index_select(0, rows), sub, buffers))
+        others = sorted(set(range(layout.num_seqs)) - set(decode))
+        if others:
+            rows = torch.tensor([t for i in others for t in range(*spans[i])], device=q.device)
+            o.index_copy_(0, rows, self._attend_each(q, c, layout, buffers, others))
+        return o
 
     def _attend(self, q: torch.Tensor, c: torch.Tensor, start: int) -> torch.Tensor:
         """q: [B, L, H, nope+rope] at positions start..start+L-1; c: [B, S, rank+rope], S = start+L."""

@@ -119,6 +119,56 @@ def test_chunk_torch_varlen(with_h0):
     assert_close(o, s, *oracle(*inputs, h0, cu))
 
 
+@pytest.mark.parametrize("lengths", [(1, 3, 63, 64, 65), (1, 1, 1), (1, 0, 1, 5), (64, 1)])
+@pytest.mark.parametrize("with_h0", [False, True])
+def test_chunk_torch_varlen_with_one_token_sequences(lengths, with_h0):
+    """One-token sequences take a batched recurrent step beside the chunked rest: same results."""
+    inputs, h0, cu = varlen_inputs(list(lengths), 2, 48, 40, seed=len(lengths), with_h0=with_h0)
+    o, s = chunk_kda(*inputs, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    assert_close(o, s, *oracle(*inputs, h0, cu), tol=1e-5)
+    if with_h0 and 0 in lengths:
+        assert torch.equal(s[lengths.index(0)], h0[lengths.index(0)])
+
+
+@pytest.mark.parametrize("lengths", [(1, 3, 63, 64, 65), (1, 1, 1), (64, 1), (5, 20)])
+@pytest.mark.parametrize("slots", ["consecutive", "scattered"])
+def test_chunk_torch_state_pool_in_place(lengths, slots):
+    """With ssm_state_indices each sequence starts from its pool slot and leaves its final state there;
+    the other slots stay untouched (sentinel)."""
+    inputs, h0, cu = varlen_inputs(list(lengths), 2, 48, 40, seed=sum(lengths))
+    N = len(lengths)
+    idx = torch.arange(2, 2 + N) if slots == "consecutive" else torch.arange(N).flip(0) * 2 + 1
+    pool = torch.full((2 * N + 3, 2, 48, 40), 7.0)
+    pool[idx] = h0
+    o, out = chunk_kda(*inputs, initial_state=pool, cu_seqlens=cu, ssm_state_indices=idx)
+    assert out is pool
+    o_ref, s_ref = oracle(*inputs, h0, cu)
+    assert_close(o, pool[idx], o_ref, s_ref, tol=1e-5)
+    others = torch.ones(pool.shape[0], dtype=torch.bool)
+    others[idx] = False
+    assert bool((pool[others] == 7.0).all())
+
+
+def test_chunk_torch_state_pool_under_autograd():
+    """The pool is state, not a differentiable input: o keeps its gradients, the pool is written outside autograd."""
+    inputs, h0, cu = varlen_inputs([1, 40, 3], 2, 16, 12, seed=5)
+    q = inputs[0].clone().requires_grad_()
+    pool = torch.zeros(4, 2, 16, 12)
+    pool[1:] = h0
+    o, _ = chunk_kda(q, *inputs[1:], initial_state=pool, cu_seqlens=cu, ssm_state_indices=torch.tensor([1, 2, 3]))
+    o_ref, s_ref = chunk_kda(q, *inputs[1:], initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    assert torch.equal(o, o_ref) and torch.equal(pool[1:], s_ref.detach())
+    assert not pool.requires_grad and o.requires_grad
+    (g,), (g_ref,) = torch.autograd.grad(o.sum(), q), torch.autograd.grad(o_ref.sum(), q)
+    assert torch.equal(g, g_ref)
+
+
+def test_chunk_state_pool_rejects_padding_index():
+    inputs, h0, cu = varlen_inputs([2, 3], 1, 16, 16)
+    with pytest.raises(ValueError, match="padding"):
+        chunk_kda(*inputs, initial_state=torch.zeros(4, 1, 16, 16), cu_seqlens=cu, ssm_state_indices=torch.tensor([0, -1]))
+
+
 def test_chunk_torch_empty_sequence_in_varlen():
     inputs, h0, cu = varlen_inputs([5, 0, 20], 1, 16, 16)
     o, s = chunk_kda(*inputs, initial_state=h0, output_final_state=True, cu_seqlens=cu)

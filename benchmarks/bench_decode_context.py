@@ -227,6 +227,8 @@ def main() -> None:
                              "lose their core to another process make every small op wait; measured 10x slower)")
     parser.add_argument("--calib-tokens", type=int, default=256, help="real prefill length for the state magnitudes")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out-name", default="decode_context",
+                        help="report name under benchmarks/results/ (e.g. decode_context_256k for a longer sweep)")
     args = parser.parse_args()
     contexts = sorted(set(args.contexts))
     if len(contexts) < 2 or contexts[0] < 1:
@@ -379,14 +381,15 @@ def main() -> None:
         + f"\n\nTime breakdown of one decode step at {hi_ctx} tokens, hooks pass (ms, medians; medians of parts need "
         "not add up to the median total):\n\n" + "\n".join(bd_lines)
     )
+    command = COMMAND if sys.argv[1:] == [] else COMMAND + " " + " ".join(sys.argv[1:])
     paths = write_report(
-        "decode_context",
+        args.out_name,
         rows,
         columns=["context", "hybrid_ms_tok", "all_mla_ms_tok", "all_mla_over_hybrid", "hybrid_kda_attn_ms",
                  "hybrid_mla_attn_ms", "all_mla_mla_attn_ms", "hybrid_kda_layer_ms", "hybrid_mla_layer_ms",
                  "all_mla_mla_layer_ms"],
         plot=plot,
-        command=COMMAND,
+        command=command,
         title="Decode time per token vs context: hybrid tiny-k3 vs all-MLA",
         notes=notes,
     )
@@ -395,7 +398,7 @@ def main() -> None:
     paths["json"].write_text(json.dumps(record, indent=2, default=str) + "\n")
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     print(f"runtime {summary['runtime_s']:.0f} s")
-    print(f"reproduce: {COMMAND}")
+    print(f"reproduce: {command}")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@
  *                             2: sigmoid(beta * g) * tanh(g) * tanh(u)            (SiTU, both betas folded in)
  *   y = a @ w2[e]             (w2 [E, I, D])
  * Tokens are grouped per expert (a counting sort of the assignments), and each expert's weights are
- * streamed once for up to TB tokens at a time: a grouped matrix-vector product, memory-bound on the
- * weights, with the accumulators in L1. The torch reference is run_experts_packed / run_experts_loop.
+ * streamed once, in order, for up to TB tokens at a time (rows_times_matrix): a grouped matrix-vector
+ * product, memory-bound on the weights. The torch reference is run_experts_packed / run_experts_loop.
  */
 #include <math.h>
 #include <stdint.h>
@@ -17,6 +17,7 @@
 
 #define TB 4   /* tokens per block (fewer are padded with a zero row) */
 #define CW 32  /* columns per register block */
+#define RB 8   /* weight rows per block */
 
 /* exp of -|x| only: no overflow to infinity (fast math assumes none; a reciprocal of inf turns to NaN) */
 static inline float sigmoidf_(float x) {
@@ -29,6 +30,35 @@ static inline float glu_(int32_t act, float beta, float g, float u) {
     if (act == 0) return g * sigmoidf_(g) * u;
     if (act == 1) return beta * tanhf(g / beta) * sigmoidf_(g) * u;
     return sigmoidf_(beta * g) * tanhf(g) * tanhf(u);
+}
+
+/* c[b][:] = sum_r a[b][r] * W[r][:] for the TB rows a[b], W [R, C] row-major, c [TB, ldc]. W is read in
+ * order, RB rows at a time (they stay in L1 while every column chunk passes over them), with each chunk's
+ * TB x CW accumulators in registers across the block: a cold weight matrix streams from memory once. */
+static void rows_times_matrix(const float *const *a, int64_t R, const float *W, int64_t C, float *c, int64_t ldc) {
+    for (int b = 0; b < TB; b++)
+        for (int64_t j = 0; j < C; j++) c[b * ldc + j] = 0.f;
+    for (int64_t r0 = 0; r0 < R; r0 += RB) {
+        const int64_t rb = R - r0 < RB ? R - r0 : RB;
+        int64_t j0 = 0;
+        for (; j0 + CW <= C; j0 += CW) {
+            float acc[TB][CW];
+            for (int b = 0; b < TB; b++)
+                for (int jj = 0; jj < CW; jj++) acc[b][jj] = c[b * ldc + j0 + jj];
+            for (int64_t rr = 0; rr < rb; rr++) {
+                const float *w = W + (r0 + rr) * C + j0;
+                for (int b = 0; b < TB; b++) {
+                    const float av = a[b][r0 + rr];
+                    for (int jj = 0; jj < CW; jj++) acc[b][jj] += av * w[jj];
+                }
+            }
+            for (int b = 0; b < TB; b++)
+                for (int jj = 0; jj < CW; jj++) c[b * ldc + j0 + jj] = acc[b][jj];
+        }
+        for (; j0 < C; j0++)  /* columns left over */
+            for (int64_t rr = 0; rr < rb; rr++)
+                for (int b = 0; b < TB; b++) c[b * ldc + j0] += a[b][r0 + rr] * W[(r0 + rr) * C + j0];
+    }
 }
 
 int moe_experts_f32(
@@ -60,36 +90,18 @@ int moe_experts_f32(
     memset(out, 0, (size_t)T * D * sizeof(float));
 
     static const float zeros[4096];
+    float *y = malloc((size_t)TB * D * sizeof(float));
+    if (!y) { free(count); free(order); free(h); return -2; }
     for (int64_t e = 0; e < E; e++) {
         const float *W13 = w13 + e * D * I2, *W2 = w2 + e * I * D;
         for (int64_t s = count[e]; s < count[e + 1]; s += TB) {
             const int64_t nb = count[e + 1] - s < TB ? count[e + 1] - s : TB;
-            const float *xs[TB];
-            for (int64_t b = 0; b < TB; b++) xs[b] = b < nb ? x + (order[s + b] / K) * x_stride : zeros;
-            /* h = x @ W13 in column chunks of CW, the TB x CW accumulators in registers */
-            for (int64_t j0 = 0; j0 < I2; j0 += CW) {
-                const int64_t cw = I2 - j0 < CW ? I2 - j0 : CW;
-                if (cw == CW) {
-                    float acc[TB][CW] = {{0}};
-                    for (int64_t d = 0; d < D; d++) {
-                        const float *r = W13 + d * I2 + j0;
-                        for (int b = 0; b < TB; b++) {
-                            const float xv = xs[b][d];
-                            for (int jj = 0; jj < CW; jj++) acc[b][jj] += xv * r[jj];
-                        }
-                    }
-                    for (int b = 0; b < TB; b++) memcpy(h + b * I2 + j0, acc[b], CW * sizeof(float));
-                } else {
-                    for (int b = 0; b < TB; b++) {
-                        float *hb = h + b * I2 + j0;
-                        for (int64_t jj = 0; jj < cw; jj++) hb[jj] = 0.f;
-                        for (int64_t d = 0; d < D; d++) {
-                            const float xv = xs[b][d], *r = W13 + d * I2 + j0;
-                            for (int64_t jj = 0; jj < cw; jj++) hb[jj] += xv * r[jj];
-                        }
-                    }
-                }
+            const float *xs[TB], *as[TB];
+            for (int64_t b = 0; b < TB; b++) {
+                xs[b] = b < nb ? x + (order[s + b] / K) * x_stride : zeros;
+                as[b] = h + b * I2;
             }
+            rows_times_matrix(xs, D, W13, I2, h, I2);  /* h = x @ W13 */
             for (int64_t b = 0; b < nb; b++) {  /* activation, in the gate half of h, times the routing weight */
                 float *hb = h + b * I2;
                 const float wt = w[order[s + b]];
@@ -97,31 +109,14 @@ int moe_experts_f32(
             }
             for (int64_t b = nb; b < TB; b++)
                 for (int64_t i = 0; i < I; i++) h[b * I2 + i] = 0.f;
-            /* out += a @ W2, the same register blocking; padded rows are zero and are not stored */
-            for (int64_t j0 = 0; j0 < D; j0 += CW) {
-                const int64_t cw = D - j0 < CW ? D - j0 : CW;
-                float acc[TB][CW] = {{0}};
-                for (int64_t i = 0; i < I; i++) {
-                    const float *r = W2 + i * D + j0;
-                    if (cw == CW) {
-                        for (int b = 0; b < TB; b++) {
-                            const float av = h[b * I2 + i];
-                            for (int jj = 0; jj < CW; jj++) acc[b][jj] += av * r[jj];
-                        }
-                    } else {
-                        for (int b = 0; b < TB; b++) {
-                            const float av = h[b * I2 + i];
-                            for (int64_t jj = 0; jj < cw; jj++) acc[b][jj] += av * r[jj];
-                        }
-                    }
-                }
-                for (int64_t b = 0; b < nb; b++) {
-                    float *ob = out + (order[s + b] / K) * D + j0;
-                    for (int64_t jj = 0; jj < cw; jj++) ob[jj] += acc[b][jj];
-                }
+            rows_times_matrix(as, I, W2, D, y, D);  /* y = a @ W2 (padded rows: zeros, not stored) */
+            for (int64_t b = 0; b < nb; b++) {
+                float *ob = out + (order[s + b] / K) * D;
+                for (int64_t j = 0; j < D; j++) ob[j] += y[b * D + j];
             }
         }
     }
+    free(y);
     free(count); free(order); free(h);
     return 0;
 }

@@ -31,7 +31,7 @@ from kernels.kda.cpu import kda_decode_cpu
 
 from ..config import ModelConfig
 from ..state import BatchLayout, StatePool
-from .fused import Derived, cat_rows, fast_path_ok, slot_range, unit_rms_norm
+from .fused import Derived, cat_rows, fast_path_ok, linear_t, slot_range, t_weight, unit_rms_norm
 from .norms import RMSNorm, gated_rms_norm
 
 
@@ -193,8 +193,8 @@ class KimiDeltaAttention(nn.Module):
     def _fast_weights(self) -> tuple:
         """Weights of :meth:`_decode_fast`, derived from the parameters (fp32):
 
-        * W_in [3P + G + F + H, hidden]: the q, k, v, output gate (or g_a), f_a and b projections as
-          one matmul, and its split [3P, G, F, H];
+        * W_in: the q, k, v, output gate (or g_a), f_a and b projections as one matmul, and its split
+          [3P, G, F, H] (every matmul weight here is stored transposed, [in, out]: :func:`~.fused.linear_t`);
         * conv weights [W, 3P] (one row per tap);
         * the gate's f_b with its constants folded in: K3's ``lb · sigmoid(a (f_b(f_a x) + dt))`` is
           ``lb · sigmoid(f_b'(f_a x) + dt')`` with f_b' = a · f_b per head, dt' = a · dt (a = exp(A_log));
@@ -228,12 +228,12 @@ class KimiDeltaAttention(nn.Module):
                 a = -a.view(H, D)
             w_o = self.o_proj.weight.detach().float() * (self.o_norm.weight.detach().float() * D**0.5).repeat(H)
             return (
-                cat_rows([lin.weight for lin in lins]),
+                t_weight(cat_rows([lin.weight for lin in lins])),
                 [sum(lin.out_features for lin in lins[:3])] + [lin.out_features for lin in lins[3:]],
                 torch.cat([c.weight.detach().float() for c in convs])[:, 0].t().contiguous(),  # [W, 3P]
-                w_fb.contiguous(), dt.contiguous(), a,
-                None if self.full_rank_gate else self.g_b_proj.weight,
-                w_o.contiguous(), self.o_norm.eps * D,
+                t_weight(w_fb), dt.contiguous(), a,
+                None if self.full_rank_gate else t_weight(self.g_b_proj.weight),
+                t_weight(w_o), self.o_norm.eps * D,
                 (a.expand(H, D) if a.dim() else a.expand(H * D)).reshape(-1).contiguous(),  # the gate factor per channel
             )
 
@@ -249,12 +249,12 @@ class KimiDeltaAttention(nn.Module):
         """
         N, H, D = x.shape[0], self.num_heads, self.head_dim
         W, split, wc, w_fb, dt, a_gate, w_gb, w_o, eps_o, a_vec = self._fast_weights()
-        qkv, gate_in, fa, b = F.linear(x, W).split(split, dim=1)
+        qkv, gate_in, fa, b = linear_t(x, W).split(split, dim=1)
         if USE_NATIVE and kda_cpu.available():  # everything between the projections and o_proj in one C call
-            gate = gate_in if w_gb is None else F.linear(gate_in, w_gb)
-            o = kda_decode_cpu(qkv, pool.conv_state[i], wc, F.linear(fa, w_fb, dt), a_vec, self.lower_bound is None,
+            gate = gate_in if w_gb is None else linear_t(gate_in, w_gb)
+            o = kda_decode_cpu(qkv, pool.conv_state[i], wc, linear_t(fa, w_fb, dt), a_vec, self.lower_bound is None,
                                b, gate, pool.kda_state[i], layout.slot_index, eps_o * D)
-            return F.linear(o, w_o)
+            return linear_t(o, w_o)
 
         # short convs: y = silu(Σ_w [tails, x]_w · weight_w), one multiply-add per tap (faster than a
         # reduction over the 4 taps); the tails shift by one, in place when the slots are consecutive
@@ -275,7 +275,7 @@ class KimiDeltaAttention(nn.Module):
         qk = y[:, :2]  # l2norm of q and k: x / sqrt(Σx² + eps) (q without the scale K^-½: see eps_o)
         qk = qk / torch.hypot(torch.linalg.vector_norm(qk, dim=-1, keepdim=True), _SQRT_L2_EPS)
         q, k = qk.unbind(1)  # [N, H, D]
-        g = F.linear(fa, w_fb, dt).view(N, H, D)
+        g = linear_t(fa, w_fb, dt).view(N, H, D)
         if self.lower_bound is None:
             d = F.softplus(g).mul_(a_gate).exp_()  # exp(-exp(A_log) · softplus(g + dt_bias))
         else:
@@ -296,9 +296,9 @@ class KimiDeltaAttention(nn.Module):
         if a is None:
             state.index_copy_(0, layout.slot_index, S)
 
-        gate = gate_in if w_gb is None else F.linear(gate_in, w_gb)
+        gate = gate_in if w_gb is None else linear_t(gate_in, w_gb)
         o = unit_rms_norm(o, eps_o).mul_(torch.sigmoid(gate.view(N, H, D)))  # (√D · o_norm.weight in w_o; K · eps)
-        return F.linear(o.view(N, H * D), w_o)
+        return linear_t(o.view(N, H * D), w_o)
 
 
 # Set False to run the decode fast path's torch code instead of the C kernel (its reference; tests compare).

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..state import BatchLayout, StatePool
-from .fused import Derived, fast_path_ok, rms_norm, scaled_norm_weight, unit_rms_norm
+from .fused import Derived, fast_path_ok, linear_t, rms_norm, scaled_norm_weight, t_weight, unit_rms_norm
 from .norms import RMSNorm
 
 # The batched decode copies the sequences' caches into one padded tensor: only while that is small.
@@ -159,7 +159,8 @@ class MLAttention(nn.Module):
     def _fast_weights(self) -> tuple:
         """(W_in = [q_a (or q); kv_a; g] as one matmul, its split, q_b with √rank · q_a_layernorm's weight
         folded into its columns (or None), q_a_layernorm eps, kv_a_layernorm's scaled weight and eps, o_proj
-        weight, and :meth:`_absorbed`'s W_uk and W_uvᵀ); see :func:`~.fused.rms_norm`."""
+        weight, and :meth:`_absorbed`'s W_uk and W_uvᵀ); see :func:`~.fused.rms_norm`. The matmul weights
+        (W_in, q_b, o_proj) are stored transposed, [in, out], for :func:`~.fused.linear_t`."""
 
         def parts():
             lins = [self.q_proj] if self.q_lora_rank is None else [self.q_a_proj]
@@ -176,13 +177,12 @@ class MLAttention(nn.Module):
             lins = parts()
             q_b = None
             if self.q_lora_rank is not None:
-                q_b = self.q_b_proj.weight.detach().float() * scaled_norm_weight(self.q_a_layernorm.weight)
-                q_b = q_b.contiguous()
+                q_b = t_weight(self.q_b_proj.weight.detach().float() * scaled_norm_weight(self.q_a_layernorm.weight))
             return (
-                torch.cat([lin.weight.detach().float() for lin in lins]).contiguous(),
+                t_weight(torch.cat([lin.weight.detach().float() for lin in lins])),
                 [lin.out_features for lin in lins],
                 q_b, None if self.q_lora_rank is None else self.q_a_layernorm.eps,
-                scaled_norm_weight(self.kv_a_layernorm.weight), self.kv_a_layernorm.eps, self.o_proj.weight,
+                scaled_norm_weight(self.kv_a_layernorm.weight), self.kv_a_layernorm.eps, t_weight(self.o_proj.weight),
                 *self._absorbed(),
             )
 
@@ -192,8 +192,8 @@ class MLAttention(nn.Module):
         """The decode step of :meth:`forward` (same math, fewer kernels) for fp32 without autograd."""
         N, H = x.shape[0], self.num_heads
         W, split, q_b, eps_q, w_kv, eps_kv, w_o, _, _ = self._fast_weights()
-        z = F.linear(x, W).split(split, dim=1)
-        q = z[0] if q_b is None else F.linear(unit_rms_norm(z[0], eps_q), q_b)
+        z = linear_t(x, W).split(split, dim=1)
+        q = z[0] if q_b is None else linear_t(unit_rms_norm(z[0], eps_q), q_b)
         ckv = z[1]
         c = torch.cat([rms_norm(ckv[:, : self.rank], w_kv, eps_kv), ckv[:, self.rank :]], dim=1)
         buffers = pool.mla_kv[pool.mla_index[self.layer_idx]]
@@ -207,7 +207,7 @@ class MLAttention(nn.Module):
         o = self._decode(q.view(N, H, self.nope + self.rope), layout, buffers).reshape(N, H * self.v_dim)
         if self.use_output_gate:
             o = o.mul_(torch.sigmoid(z[2]))
-        return F.linear(o, w_o)
+        return linear_t(o, w_o)
 
     def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_uk · scale [H, nope, rank], W_uvᵀ [H, rank, v]) from kv_b_proj, fp32."""

@@ -26,7 +26,7 @@ from kernels.moe import cpu as moe_cpu
 
 from ..config import ModelConfig
 from . import fused
-from .fused import Derived, cat_rows, fast_path_ok, unit_rms_norm
+from .fused import Derived, fast_path_ok, linear_t, t_weight, unit_rms_norm
 from .norms import RMSNorm
 
 # Above this many (token, expert) assignments per call the reference loop is used: its Python
@@ -96,8 +96,8 @@ class GLUMLP(nn.Module):
         if fast_path_ok(x):  # gate and up projections as one matmul, the GLU's constants folded in
             w_in, w_out = self._folded.get(
                 lambda: (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight),
-                lambda: self.act.fold(self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight))
-            return F.linear(self.act.fused(F.linear(x, w_in)), w_out)
+                lambda: tuple(map(t_weight, self.act.fold(self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight))))
+            return linear_t(self.act.fused(linear_t(x, w_in)), w_out)
         return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -311,7 +311,8 @@ class SparseMoE(nn.Module):
         self._fast = Derived()
 
     def _fast_parts(self) -> tuple:
-        """Weights of the fast path (fp32), with the shared expert (a :class:`GLUMLP`) fused in:
+        """Weights of the fast path (fp32; matmul weights stored transposed for :func:`~.fused.linear_t`), with
+        the shared expert (a :class:`GLUMLP`) fused in:
 
         * W_in = [router; latent down projection; shared gate; shared up] (one matmul of x), its split;
         * W_out = [up projection · √latent · latent norm weight | shared down projection] (one matmul of
@@ -343,7 +344,7 @@ class SparseMoE(nn.Module):
                 split.append(s_in.shape[0])
                 w_up = torch.cat([w_up, s_out], dim=1)
             return (
-                torch.cat(w_in).contiguous(), split, w_up.contiguous(), None if norm is None else norm.eps,
+                t_weight(torch.cat(w_in)), split, t_weight(w_up), None if norm is None else norm.eps,
                 self.gate, self.experts, None if shared is None else shared.act,
                 shared is None and self.shared_experts is not None,
                 not bool(self.gate.e_score_correction_bias.any()),
@@ -355,7 +356,7 @@ class SparseMoE(nn.Module):
         """x [T, hidden] → [T, hidden]."""
         if self.latent and fast_path_ok(x):
             W_in, split, W_out, eps, gate, experts, shared_act, call_shared, zero_bias = self._fast_parts()
-            z = F.linear(x, W_in).split(split, dim=1)
+            z = linear_t(x, W_in).split(split, dim=1)
             native = USE_NATIVE and gate.n_group == 1 and moe_cpu.available()
             if native:  # the router in one C call
                 bias = None if zero_bias else gate.e_score_correction_bias.detach().float()
@@ -372,7 +373,7 @@ class SparseMoE(nn.Module):
                     y = unit_rms_norm(y, eps)
                 if shared_act is not None:
                     y = torch.cat([y, shared_act.fused(z[2])], dim=1)
-            y = F.linear(y, W_out)
+            y = linear_t(y, W_out)
             return y.add_(self.shared_experts(x)) if call_shared else y
         idx, w = self.gate(x)
         xe = self.routed_expert_down_proj(x) if self.latent else x

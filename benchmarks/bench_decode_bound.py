@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.report import write_report  # noqa: E402
 from deployments.engine import Engine, EngineConfig, GenerationRequest  # noqa: E402
 from model import load_model, load_tokenizer  # noqa: E402
-from model.layers import attn_res as attn_res_layer, kda as kda_layer, moe as moe_layer  # noqa: E402
+from model.layers import attn_res as attn_res_layer, kda as kda_layer, mla as mla_layer, moe as moe_layer  # noqa: E402
 from model.layers.moe import SparseMoE  # noqa: E402
 from model.runner import ModelRunner  # noqa: E402
 
@@ -205,8 +205,8 @@ class StepProbe:
 
 
 def set_native(flag: bool) -> None:
-    """Turn the decode step's C kernels (KDA step, routed experts, Attention-Residual mix + norm) on or off."""
-    for module in (kda_layer, moe_layer, attn_res_layer):
+    """Turn the decode step's C kernels (KDA step, MoE, Attention-Residual mix + norm, MLA attention) on or off."""
+    for module in (kda_layer, moe_layer, attn_res_layer, mla_layer):
         module.USE_NATIVE = flag
 
 
@@ -440,7 +440,8 @@ def main() -> int:
         + f"The routed experts run over stacked expert weights ({statistics.fmean(experts):.1f} experts chosen per layer, "
         f"{counts['moe_layers']} layers per step).",
         "",
-        f"The C kernels (`kernels/kda/cpu_decode.c`, `kernels/moe/cpu_experts.c`, `kernels/attn_res/cpu_mix_norm.c`) vs "
+        f"The C kernels (`kernels/kda/cpu_decode.c`, `kernels/moe/cpu_experts.c`, `kernels/attn_res/cpu_mix_norm.c`, "
+        f"`kernels/mla/cpu_decode.c`) vs "
         f"the torch fast paths beside them, {args.torch_steps} steps each, interleaved: "
         f"{1e3 * median(native_walls):.2f} ms vs {1e3 * median(torch_walls):.2f} ms per step "
         f"({median(torch_walls) / median(native_walls):.2f}x).",

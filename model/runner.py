@@ -54,9 +54,11 @@ def native_kernels() -> dict[str, bool]:
     """Which native CPU kernels of the decode fast paths are built and loaded (see ``kernels.native``)."""
     from kernels.attn_res import cpu as attn_res_cpu
     from kernels.kda import cpu as kda_cpu
+    from kernels.mla import cpu as mla_cpu
     from kernels.moe import cpu as moe_cpu
 
-    return {"kda_decode": kda_cpu.available(), "moe": moe_cpu.available(), "attn_res_mix_norm": attn_res_cpu.available()}
+    return {"kda_decode": kda_cpu.available(), "moe": moe_cpu.available(), "attn_res_mix_norm": attn_res_cpu.available(),
+            "mla_decode": mla_cpu.available()}
 
 
 class ModelRunner:

@@ -75,11 +75,11 @@ def _assert_same_state(a: ModelRunner, b: ModelRunner, slots):
 ])
 @pytest.mark.parametrize("native", [True, False], ids=["c-kernels", "torch"])
 def test_batched_decode_fast_equals_general(model, slots, lengths, native, monkeypatch):
-    from model.layers import attn_res, kda, moe
+    from model.layers import attn_res, kda, mla, moe
 
-    for module in (kda, moe, attn_res):
+    for module in (kda, moe, attn_res, mla):
         monkeypatch.setattr(module, "USE_NATIVE", native)
-    if native and not (kda.kda_cpu.available() and moe.moe_cpu.available() and attn_res.attn_res_cpu.available()):
+    if native and not all(k.available() for k in (kda.kda_cpu, moe.moe_cpu, attn_res.attn_res_cpu, mla.mla_cpu)):
         pytest.fail("the native CPU kernels did not build (a C compiler is part of `make test`'s setup)")
     prompts = [_ids(n, 100 + i) for i, n in enumerate(lengths)]
     fast, general = _twin_runners(model, 10, prompts, slots)
@@ -99,9 +99,21 @@ def test_mla_per_sequence_decode_equals_batched(model, monkeypatch):
     prompts = [_ids(n, 300 + i) for i, n in enumerate(lengths)]
     batched, alone = _twin_runners(model, 3, prompts, slots)
     tokens = _ids(3, 400)
-    out_batched = batched.decode(slots, tokens)
+    out_batched = batched.decode(slots, tokens)  # the C kernel
     monkeypatch.setattr(mla, "BATCHED_DECODE_MAX_BYTES", 0)
     assert rel_rms(alone.decode(slots, tokens), out_batched) <= TOL
+
+
+def test_mla_c_kernel_equals_padded_torch_batch(model, monkeypatch):
+    from model.layers import mla
+
+    slots, lengths = [2, 0, 1], [40, 3, 21]
+    prompts = [_ids(n, 500 + i) for i, n in enumerate(lengths)]
+    native, padded = _twin_runners(model, 3, prompts, slots)
+    tokens = _ids(3, 600)
+    out_native = native.decode(slots, tokens)
+    monkeypatch.setattr(mla, "USE_NATIVE", False)
+    assert rel_rms(padded.decode(slots, tokens), out_native) <= TOL
 
 
 def test_whole_forward_fast_equals_general(model):

@@ -6,7 +6,7 @@ beside its torch reference, with tests holding them together) remove both. They 
 headers: a plain ``cc -O3 -march=native`` builds one in well under a second (flags: :data:`FLAGS`).
 
 Built libraries are cached under ``$DELTASERVE_KERNEL_CACHE`` (default ``~/.cache/deltaserve/kernels``),
-named by a hash of the source, the flags and the compiler's version; a build writes a temporary file
+named by a hash of the source, the flags, the compiler's version and the CPU; a build writes a temporary file
 and renames it, so concurrent replicas never load a half-written library. Without a working compiler
 (or with ``DELTASERVE_NATIVE_KERNELS=0``) :func:`load` returns None once, with a warning, and callers use
 their torch path.
@@ -18,6 +18,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -49,6 +50,17 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
+def _cpu() -> str:
+    """The CPU's model and feature flags: ``-march=native`` code built on one CPU may not run on another, so a
+    cache directory shared between machines keeps one library per CPU kind."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine() + platform.processor()
+    keep = [ln for ln in lines if ln.startswith(("model name", "flags"))][:2]
+    return platform.machine() + "\n" + "\n".join(keep)
+
+
 def build(source: Path) -> Path:
     """Compile ``source`` into the cache (if not there yet) → the library's path. Raises RuntimeError
     (with the compiler's output) when the build fails or no compiler exists."""
@@ -56,7 +68,7 @@ def build(source: Path) -> Path:
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc) for the native CPU kernels")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    digest = hashlib.sha256("\0".join([source.read_text(), *FLAGS, *LINK, *LIBS, *version]).encode()).hexdigest()[:16]
+    digest = hashlib.sha256("\0".join([source.read_text(), *FLAGS, *LINK, *LIBS, *version, _cpu()]).encode()).hexdigest()[:16]
     out = cache_dir() / f"{source.stem}-{digest}.so"
     if out.exists():
         return out

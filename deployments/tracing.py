@@ -77,6 +77,9 @@ def finished_spans() -> list[dict]:
             "span_id": format(s.context.span_id, "016x"),
             "parent_id": format(s.parent.span_id, "016x") if s.parent else None,
             "attributes": dict(s.attributes or {}),
+            "start_ns": s.start_time,
+            "end_ns": s.end_time,
+            "events": [(e.name, e.timestamp) for e in s.events],
         }
         for s in _memory.get_finished_spans()
     ]

@@ -340,9 +340,20 @@ def test_state_goes_prefill_to_decode_by_reference_and_a_lost_one_is_handoff_los
         def put(self):
             return [ray.put(b"\0" * 200_000)]  # in a list: the caller gets the reference, not the bytes
 
+    @ray.remote(num_cpus=0)
+    def fetch(box):
+        try:
+            return ray.get(box[0], timeout=10)
+        except ray.exceptions.OwnerDiedError:
+            return None
+
     owner = Owner.remote()
     [lost] = ray.get(owner.put.remote())
     ray.kill(owner)
+    deadline = time.monotonic() + 30
+    while ray.get(fetch.remote([lost])) is not None:  # the owner's death takes a moment to be known
+        assert time.monotonic() < deadline, "the killed owner's object stayed reachable"
+        time.sleep(0.1)
     backend = ServeBackend({"standard": pre}, {"standard": dec})
     lost_req = DecodeRequest(PrefillRequest("by-ref-2", tuple(_ids("x")), 4, SamplingParams()), 1, lost)
 

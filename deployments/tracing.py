@@ -67,7 +67,9 @@ def span(name: str, carrier: dict[str, str] | None = None, **attributes) -> Iter
 
 
 def finished_spans() -> list[dict]:
-    """Spans kept by the in-memory exporter, as plain dicts (for tests)."""
+    """Spans kept by the in-memory exporter, as plain dicts (for tests and timelines): ids, attributes,
+    ``start_ns``/``end_ns`` (epoch nanoseconds: comparable across the replicas of one machine) and
+    ``events`` as (name, epoch nanoseconds)."""
     if _memory is None:
         return []
     return [

@@ -375,6 +375,8 @@ def test_spans_form_ingress_prefill_decode_chain(platform):
     dec = [s for s in spans["decode-standard"] if s["trace_id"] == root["trace_id"]]
     assert pre and dec
     assert pre[0]["parent_id"] == root["span_id"] and dec[0]["parent_id"] == root["span_id"]
+    # one clock on one machine: the hops nest in time (the timeline of a request, epoch nanoseconds)
+    assert root["start_ns"] <= pre[0]["start_ns"] <= pre[0]["end_ns"] <= dec[0]["start_ns"] <= dec[0]["end_ns"] <= root["end_ns"]
     assert root["attributes"]["deltaserve.tenant"] == "alice" and root["attributes"]["deltaserve.pool"] == "standard"
 
 

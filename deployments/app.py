@@ -127,7 +127,8 @@ def build_app(args: dict | PlatformConfig | None = None) -> serve.Application:
                   for s in range(config.expert_shards)]
     prefill, decode = {}, {}
     for pool, pc in counts.pools.items():
-        prefill[pool] = serve.deployment(Prefill, **_options(config, f"prefill-{pool}", pc.prefill_replicas)).bind(config, pool, shards or None)
+        prefill[pool] = serve.deployment(Prefill, **_options(config, f"prefill-{pool}", pc.prefill_replicas)).bind(
+            config, pool, shards or None, object_store_handoff=True)
         decode[pool] = serve.deployment(Decode, **_options(config, f"decode-{pool}", pc.decode_replicas)).bind(config, pool, shards or None)
     admin = serve.deployment(CacheAdmin, **_options(config, "cache-admin", 1)).bind(config, prefill, decode)
     return serve.deployment(IngressASGI, **_options(config, "ingress", 1)).bind(config, prefill, decode, admin)

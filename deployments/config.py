@@ -34,6 +34,18 @@ class PoolConfig(_Strict):
     stream_interval_ms: float = Field(0.0, ge=0, description="a decode replica sends a stream's tokens in batches: "
                                       "at most one chunk per this many milliseconds after the first (sent at once); "
                                       "0 = a chunk per token. Larger: less CPU per token, burstier streams")
+    prefill_gather_wait_ms: float = Field(0.0, ge=0, description="an idle prefill replica holds its first step up to "
+                                          "this long while requests keep arriving, so a burst is prefilled together "
+                                          "and reaches decode together; 0 = off")
+    prefill_gather_gap_ms: float = Field(0.0, ge=0, description="the hold ends once no request has arrived for this "
+                                         "long (what a lone request waits); at most prefill_gather_wait_ms")
+
+    @model_validator(mode="after")
+    def _gather(self) -> "PoolConfig":
+        if self.prefill_gather_gap_ms > self.prefill_gather_wait_ms:
+            raise ValueError(f"prefill_gather_gap_ms ({self.prefill_gather_gap_ms}) must be <= prefill_gather_wait_ms "
+                             f"({self.prefill_gather_wait_ms})")
+        return self
 
 
 class CacheConfig(_Strict):
@@ -57,8 +69,9 @@ def _default_pools() -> dict[str, PoolConfig]:
     return {
         # standard: tokens in chunks of up to 100 ms (a quarter of its TPOT target) cut the per-chunk cost of the
         # decode -> ingress -> proxy -> client hops (benchmarks/results/serving.md, a); highspeed: every token.
+        # standard also gathers a burst of arrivals into one prefill step (up to 100 ms; a lone request waits 30 ms).
         "standard": PoolConfig(max_num_seqs=32, max_num_batched_tokens=1024, ttft_slo_ms=4000, tpot_slo_ms=400,
-                               stream_interval_ms=100),
+                               stream_interval_ms=100, prefill_gather_wait_ms=100, prefill_gather_gap_ms=30),
         "highspeed": PoolConfig(max_num_seqs=4, max_num_batched_tokens=256, ttft_slo_ms=1000, tpot_slo_ms=100,
                                 stream_interval_ms=0),
     }

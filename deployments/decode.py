@@ -1,8 +1,8 @@
 """Decode deployment: continuous batching over handed-off states; streams tokens.
 
 A decode replica never runs a prompt forward: every request arrives with the state after its
-prompt (from a prefill replica, directly or through the cache service) and the first sampled
-token; the engine only decodes. A stream's tokens go out in chunks, one per
+prompt (from a prefill replica: bytes, a reference into Ray's object store, or a key in the
+cache service) and the first sampled token; the engine only decodes. A stream's tokens go out in chunks, one per
 ``PoolConfig.stream_interval_ms`` at most (the first at once; see
 :class:`~deployments.engine.stream_batcher.StreamBatcher`). With the cache on it cuts MLA
 blocks as it goes and KDA checkpoints every ``checkpoint_every`` blocks and at the end of
@@ -19,7 +19,7 @@ from typing import AsyncIterator
 from deployments.engine import GenerationRequest
 from model.state import SequenceState
 
-from . import tracing
+from . import handoff, tracing
 from .api import HandoffLost
 from .config import PlatformConfig
 from .engine_replica import EngineReplica
@@ -42,7 +42,9 @@ class Decode(EngineReplica):
         n = 0
         try:
             data = req.state
-            if data is None:
+            if handoff.is_state_ref(data):
+                data = await handoff.get_state(data, p.request_id)
+            elif data is None:
                 data = await asyncio.to_thread(self.cache.take_handoff, p.tenant, req.handoff_key) if self.cache else None
                 if data is None:
                     raise HandoffLost(f"handoff of request {p.request_id} is not in the cache (expired, evicted or Redis down)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from model.runner import SamplingParams
 
@@ -33,7 +34,8 @@ class PrefillResult:
     text: str  # detokenised text of the first token (final only when ``finished``)
     finished: bool  # True when the first token already ends the request (stop or max_tokens == 1)
     finish_reason: str | None
-    state: bytes | None  # SequenceState.to_bytes() after the prompt (the direct handoff), else None
+    state: Any  # SequenceState.to_bytes() after the prompt (the direct handoff): bytes, or under Serve a ray.ObjectRef
+    #             to them (deployments/handoff.py) that the ingress forwards unfetched; None with handoff_key or finished
     handoff_key: str | None  # the handoff went through the cache service under this key (state is None)
     prompt_tokens: int
     cached_tokens: int
@@ -45,7 +47,7 @@ class PrefillResult:
 class DecodeRequest:
     prefill: PrefillRequest
     first_token: int
-    state: bytes | None  # the direct handoff (PrefillResult.state), or None with handoff_key
+    state: Any  # the direct handoff (PrefillResult.state: bytes or an object-store reference), or None with handoff_key
     trace: dict = field(default_factory=dict)
     handoff_key: str | None = None
 

@@ -5,7 +5,9 @@ token budget). With the cache on, it first loads the longest cached prefix (any 
 checkpoints, from its LRU or Redis) and computes only the rest, cutting checkpoints as it goes
 (written in the background). It returns the first token and the sequence state after the
 prompt (:class:`~model.state.SequenceState` bytes) directly, or through the cache service
-(``cache.handoff: cache``): the decode replica continues from exactly there.
+(``cache.handoff: cache``): the decode replica continues from exactly there. Under Serve
+(``object_store_handoff``) the direct handoff returns a reference into Ray's object store
+(:mod:`deployments.handoff`) that the ingress forwards to decode without fetching it.
 
 A request may carry ``replay_ids``: the output a failed decode replica already delivered.
 They are computed like prompt tokens (mostly loaded from that replica's checkpoints) and the
@@ -21,7 +23,7 @@ from dataclasses import replace
 
 from deployments.engine import GenerationRequest
 
-from . import tracing
+from . import handoff, tracing
 from .config import PlatformConfig
 from .engine_replica import EngineReplica
 from .messages import PrefillRequest, PrefillResult
@@ -29,8 +31,10 @@ from .replica import cache_key
 
 
 class Prefill(EngineReplica):
-    def __init__(self, config: PlatformConfig, pool: str, expert_shards: list | None = None) -> None:
+    def __init__(self, config: PlatformConfig, pool: str, expert_shards: list | None = None, *,
+                 object_store_handoff: bool = False) -> None:
         super().__init__(config, pool, "prefill", expert_shards, num_slots=config.num_slots, max_num_seqs=config.num_slots)
+        self.object_store_handoff = object_store_handoff  # True in a Serve replica (app.py): the state goes by reference
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         t0 = time.perf_counter()
@@ -67,12 +71,14 @@ class Prefill(EngineReplica):
             if key is not None:
                 self.cache.record_tenant(req.tenant, lookups=1, prompt_tokens=len(req.prompt_ids))
             span.set_attribute("deltaserve.cached_tokens", cached)
-            state = handoff = None
+            state = handoff_key = None
             if not finished:
                 state = last.state.to_bytes()
                 if key is not None and self.config.cache.handoff == "cache":
                     if await asyncio.to_thread(self.cache.put_handoff, key, req.request_id, state):
-                        state, handoff = None, req.request_id  # else (Redis unavailable): direct
+                        state, handoff_key = None, req.request_id  # else (Redis unavailable): direct
+                if state is not None and self.object_store_handoff:
+                    state = handoff.put_state(state)
             return PrefillResult(
                 request_id=req.request_id,
                 first_token=first,
@@ -80,7 +86,7 @@ class Prefill(EngineReplica):
                 finished=finished,
                 finish_reason=("stop" if stopped else "length") if finished else None,
                 state=state,
-                handoff_key=handoff,
+                handoff_key=handoff_key,
                 prompt_tokens=len(req.prompt_ids),
                 cached_tokens=cached,
                 replica=self.replica,

@@ -67,7 +67,9 @@ def span(name: str, carrier: dict[str, str] | None = None, **attributes) -> Iter
 
 
 def finished_spans() -> list[dict]:
-    """Spans kept by the in-memory exporter, as plain dicts (for tests)."""
+    """Spans kept by the in-memory exporter, as plain dicts (for tests and timelines): ids, attributes,
+    ``start_ns``/``end_ns`` (epoch nanoseconds: comparable across the replicas of one machine) and
+    ``events`` as (name, epoch nanoseconds)."""
     if _memory is None:
         return []
     return [
@@ -77,6 +79,9 @@ def finished_spans() -> list[dict]:
             "span_id": format(s.context.span_id, "016x"),
             "parent_id": format(s.parent.span_id, "016x") if s.parent else None,
             "attributes": dict(s.attributes or {}),
+            "start_ns": s.start_time,
+            "end_ns": s.end_time,
+            "events": [(e.name, e.timestamp) for e in s.events],
         }
         for s in _memory.get_finished_spans()
     ]

@@ -16,6 +16,14 @@ step), and the loop is never blocked behind a step. Aborts run in worker threads
 ``stream_interval_s``: a request's outputs are routed through a :class:`StreamBatcher`, so
 its consumer takes one merged output per interval instead of one per step.
 
+``gather_wait_s`` / ``gather_gap_s`` (a prefill replica's burst window): requests that reach an
+idle engine are held before its first step while more keep arriving, until none has arrived
+for ``gather_gap_s`` or ``gather_wait_s`` has passed since the wait began. Concurrent requests
+reach a replica spread over tens of milliseconds (the ingress takes them one after another);
+without the window the first runs a step alone and the rest wait for it, then reach decode
+one step apart. The window never applies while the engine has work: arrivals during a step
+join the next one anyway. A lone request pays ``gather_gap_s``.
+
 A consumer that stops early (``aclose()``, task cancellation on client disconnect) aborts
 its request. A failing step stops the engine: every waiting generator, and every later
 call, raises RuntimeError chained to the step's exception.
@@ -37,8 +45,12 @@ _T = TypeVar("_T")
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, gather_wait_s: float = 0.0, gather_gap_s: float = 0.0) -> None:
+        if not 0 <= gather_gap_s <= gather_wait_s:
+            raise ValueError(f"need 0 <= gather_gap_s <= gather_wait_s, got gather_gap_s={gather_gap_s!r}, "
+                             f"gather_wait_s={gather_wait_s!r}")
         self.engine = engine
+        self.gather_wait_s, self.gather_gap_s = gather_wait_s, gather_gap_s
         self._lock = threading.Lock()  # held for every engine call
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}  # per live generator
         self._batchers: dict[str, StreamBatcher] = {}  # per live generator with a stream interval
@@ -122,6 +134,8 @@ class AsyncEngine:
     async def _run(self, wake: asyncio.Event) -> None:
         while not self._closed:
             wake.clear()
+            if self.gather_wait_s and self._adds and not self._call(self.engine.has_unfinished):
+                await self._gather(wake)
             adds, self._adds = self._adds, []
             if not adds and not self._call(self.engine.has_unfinished):
                 await wake.wait()
@@ -144,6 +158,17 @@ class AsyncEngine:
                 batcher = self._batchers.get(out.request_id)
                 if batcher is None or (out := batcher.push(out, now)) is not None:
                     queue.put_nowait(out)
+
+    async def _gather(self, wake: asyncio.Event) -> None:
+        """Wait while requests keep arriving at an idle engine (see the module docstring)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.gather_wait_s
+        while not self._closed and (left := deadline - loop.time()) > 0:
+            wake.clear()
+            try:
+                await asyncio.wait_for(wake.wait(), min(self.gather_gap_s, left))
+            except TimeoutError:
+                return  # nothing arrived for a gap
 
     def _add_and_step(self, adds: list[tuple[GenerationRequest, dict[str, Any]]]) -> tuple[list[Exception | None], list[RequestOutput], Exception | None]:
         """In the step thread: add the queued requests, then step once if there is work; each

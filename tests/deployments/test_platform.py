@@ -313,6 +313,57 @@ def test_concurrent_streams_match_alone(platform, reference):
         assert got[i] == _text(reference(prompts[i], lengths[i])), i
 
 
+def test_state_goes_prefill_to_decode_by_reference_and_a_lost_one_is_handoff_lost(platform, reference):
+    """Under Serve, prefill returns the state as an object-store reference (the ingress forwards it
+    unfetched); decode resumes from it exactly. A reference whose owner died is HandoffLost (the
+    frontend then prefills again)."""
+    import asyncio
+
+    import ray
+    from ray import serve
+
+    from deployments.api import HandoffLost
+    from deployments.app import ServeBackend
+    from deployments.messages import DecodeRequest, PrefillRequest
+    from model.runner import SamplingParams
+
+    pre = serve.get_deployment_handle("prefill-standard", app_name="deltaserve")
+    dec = serve.get_deployment_handle("decode-standard", app_name="deltaserve")
+    req = PrefillRequest("by-ref-1", tuple(_ids("def ref(x):")), 6, SamplingParams(), ignore_eos=True)
+    res = pre.prefill.remote(req).result()
+    assert isinstance(res.state, ray.ObjectRef) and res.handoff_key is None
+    chunks = list(dec.options(stream=True).generate.remote(DecodeRequest(req, res.first_token, res.state)))
+    assert [t for c in chunks for t in c.token_ids] == reference("def ref(x):", 6)
+
+    @ray.remote(num_cpus=0)
+    class Owner:
+        def put(self):
+            return [ray.put(b"\0" * 200_000)]  # in a list: the caller gets the reference, not the bytes
+
+    @ray.remote(num_cpus=0)
+    def fetch(box):
+        try:
+            return ray.get(box[0], timeout=10)
+        except ray.exceptions.OwnerDiedError:
+            return None
+
+    owner = Owner.remote()
+    [lost] = ray.get(owner.put.remote())
+    ray.kill(owner)
+    deadline = time.monotonic() + 30
+    while ray.get(fetch.remote([lost])) is not None:  # the owner's death takes a moment to be known
+        assert time.monotonic() < deadline, "the killed owner's object stayed reachable"
+        time.sleep(0.1)
+    backend = ServeBackend({"standard": pre}, {"standard": dec})
+    lost_req = DecodeRequest(PrefillRequest("by-ref-2", tuple(_ids("x")), 4, SamplingParams()), 1, lost)
+
+    async def drain():
+        return [c async for c in backend.decode("standard", lost_req)]
+
+    with pytest.raises(HandoffLost, match="by-ref-2"):
+        asyncio.run(drain())
+
+
 def test_spans_form_ingress_prefill_decode_chain(platform):
     from ray import serve
 
@@ -324,6 +375,8 @@ def test_spans_form_ingress_prefill_decode_chain(platform):
     dec = [s for s in spans["decode-standard"] if s["trace_id"] == root["trace_id"]]
     assert pre and dec
     assert pre[0]["parent_id"] == root["span_id"] and dec[0]["parent_id"] == root["span_id"]
+    # one clock on one machine: the hops nest in time (the timeline of a request, epoch nanoseconds)
+    assert root["start_ns"] <= pre[0]["start_ns"] <= pre[0]["end_ns"] <= dec[0]["start_ns"] <= dec[0]["end_ns"] <= root["end_ns"]
     assert root["attributes"]["deltaserve.tenant"] == "alice" and root["attributes"]["deltaserve.pool"] == "standard"
 
 

@@ -486,6 +486,63 @@ def test_async_engine_rejects_duplicates_and_bad_requests(model, tok):
     asyncio.run(main())
 
 
+
+def test_async_engine_gathers_a_burst_at_an_idle_engine_into_one_step(model, tok):
+    """Requests 100 ms apart reach an idle engine: held until none arrived for the gap, they
+    share the first step; one arriving while the engine works joins at once (not held a gap)."""
+    gap = 1.0
+
+    async def main():
+        aengine = AsyncEngine(make_engine(model, tok), gather_wait_s=20.0, gather_gap_s=gap)
+        steps = spy_schedule(aengine.engine)
+        loop = asyncio.get_running_loop()
+        first: dict[str, float] = {}
+
+        async def consume(rid, seed, n):
+            async for _ in aengine.generate(request(rid, prompt(8, seed), n)):
+                first.setdefault(rid, loop.time())
+
+        burst = []
+        for i, rid in enumerate("abc"):
+            burst.append(asyncio.create_task(consume(rid, 40 + i, 40)))
+            await asyncio.sleep(0.1)
+        t_last = loop.time() - 0.1
+        while "a" not in first:
+            await asyncio.sleep(0.005)
+        t_d = loop.time()
+        await consume("d", 43, 2)
+        await asyncio.gather(*burst)
+        await aengine.shutdown()
+        return steps, first, t_last, t_d
+
+    steps, first, t_last, t_d = asyncio.run(main())
+    assert sorted(c.seq.request_id for c in steps[0].chunks) == ["a", "b", "c"]
+    assert first["a"] - t_last >= gap
+    assert first["d"] - t_d < gap / 2
+    assert any({"a", "d"} <= {c.seq.request_id for c in s.chunks} for s in steps)
+
+
+def test_async_engine_gather_ends_at_its_wait_while_requests_keep_coming(model, tok):
+    async def main():
+        aengine = AsyncEngine(make_engine(model, tok), gather_wait_s=0.5, gather_gap_s=0.3)
+        steps = spy_schedule(aengine.engine)
+
+        async def consume(rid, seed):
+            return [o async for o in aengine.generate(request(rid, prompt(6, seed), 2))]
+
+        tasks = []
+        for i in range(4):  # at 0, 0.2, 0.4, 0.6 s: every gap shorter than 0.3 s, the last after the 0.5 s wait
+            tasks.append(asyncio.create_task(consume(f"e{i}", 50 + i)))
+            await asyncio.sleep(0.2)
+        await asyncio.gather(*tasks)
+        await aengine.shutdown()
+        return steps
+
+    steps = asyncio.run(main())
+    assert sorted(c.seq.request_id for c in steps[0].chunks) == ["e0", "e1", "e2"]
+    with pytest.raises(ValueError, match="gather_gap_s=0.5, gather_wait_s=0.2"):
+        AsyncEngine(make_engine(model, tok), gather_wait_s=0.2, gather_gap_s=0.5)
+
 # -- bad input ----------------------------------------------------------------------
 
 def test_bad_requests_and_configs_raise_value_errors_naming_the_value(model, tok):

@@ -1,0 +1,54 @@
+"""The direct prefill → decode state handoff through Ray's object store.
+
+A prefill replica puts the state bytes (:meth:`SequenceState.to_bytes`, ~460 KB for
+tiny-k3) into the object store and returns a reference; the ingress forwards the reference
+in the :class:`~deployments.messages.DecodeRequest` without fetching it, and the decode
+replica fetches the bytes. They cross from the prefill process to the decode process once
+(shared memory on one node), instead of being returned to the ingress and sent on again
+(two object-store round trips and the ingress's CPU for each).
+
+The prefill replica owns the object: it lives while a reference to it does (the ingress's,
+then the decode replica's) and is freed when the last is dropped (a stream cancelled
+before decode included). A prefill replica that dies before decode fetches it loses the
+object: the fetch raises :class:`~deployments.api.HandoffLost` and the frontend prefills
+again (the same path as a handoff lost from the cache service).
+
+In-process (:class:`~deployments.local.LocalBackend`) the bytes travel as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .api import HandoffLost
+
+
+def put_state(data: bytes) -> Any:
+    """A reference to ``data`` in the object store (``ray.ObjectRef``); called in a Ray worker."""
+    import ray
+
+    return ray.put(data)
+
+
+def is_state_ref(state: Any) -> bool:
+    """Whether ``state`` is a :func:`put_state` reference (else bytes or None)."""
+    if state is None or isinstance(state, bytes):
+        return False
+    import ray
+
+    return isinstance(state, ray.ObjectRef)
+
+
+async def get_state(ref: Any, request_id: str) -> bytes:
+    """The bytes behind a :func:`put_state` reference; HandoffLost when the object is gone."""
+    from ray.exceptions import ObjectFetchTimedOutError, ObjectLostError, OwnerDiedError, RayError
+
+    try:
+        data = await ref
+    except (ObjectLostError, OwnerDiedError, ObjectFetchTimedOutError) as e:
+        raise HandoffLost(f"handoff of request {request_id} is lost from the object store ({type(e).__name__})") from e
+    except RayError as e:
+        raise HandoffLost(f"handoff of request {request_id} could not be fetched ({type(e).__name__}: {e})") from e
+    if not isinstance(data, bytes):
+        raise RuntimeError(f"handoff of request {request_id} holds {type(data).__name__}, not bytes (a bug)")
+    return data

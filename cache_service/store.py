@@ -1,8 +1,8 @@
 """The Redis tier: a synchronous client that degrades to "unavailable" instead of raising.
 
-Every call goes through a :class:`CircuitBreaker`. A Redis or socket error is logged, counted
-in ``errors`` and reported as the method's *unavailable* value (None, False or 0, as each
-method documents); while the breaker is open, calls return that value at once without
+Every call goes through a :class:`CircuitBreaker`. A Redis or socket error is counted in
+``errors`` (the first of an outage is logged, and the first success after it) and reported as
+the method's *unavailable* value (None, False or 0, as each method documents); while the breaker is open, calls return that value at once without
 touching the network. Callers treat unavailable like a miss and recompute. redis-py's own
 retries are off: the breaker decides when to try again.
 """
@@ -61,6 +61,7 @@ class RedisStore:
         self.timeout_s = timeout_s
         self.breaker = breaker if breaker is not None else CircuitBreaker()
         self.errors = 0  # Redis/socket errors seen (each also a breaker failure)
+        self._outage_errors = 0  # errors since the last success (the first of them is logged)
         self._errors_lock = threading.Lock()
         self._client = redis.Redis.from_url(
             url,
@@ -90,9 +91,17 @@ class RedisStore:
             self.breaker.record_failure()
             with self._errors_lock:
                 self.errors += 1
-            log.warning("redis %s at %s failed (%s: %s); breaker %s", what, self.url, type(e).__name__, e, self.breaker.state)
+                first, self._outage_errors = self._outage_errors == 0, self._outage_errors + 1
+            if first:  # one line per outage, not one per call (pollers would repeat it every half second)
+                log.warning("redis %s at %s failed (%s: %s); breaker %s; until it answers again, failures are "
+                            "counted, not logged", what, self.url, type(e).__name__, e, self.breaker.state)
             return unavailable
         self.breaker.record_success()
+        if self._outage_errors:
+            with self._errors_lock:
+                n, self._outage_errors = self._outage_errors, 0
+            if n:
+                log.warning("redis at %s answers again (%d failed calls during the outage)", self.url, n)
         return result
 
     def _nothing_to_do(self, empty: T, unavailable: T) -> T:

@@ -68,7 +68,7 @@ def timed(fn):
     return result, time.perf_counter() - start
 
 
-def test_dead_server_opens_the_breaker_then_recovers():
+def test_dead_server_opens_the_breaker_then_recovers(caplog):
     with LocalRedisServer() as server:
         store = RedisStore(server.url, timeout_s=0.25, breaker=CircuitBreaker(3, reset_timeout_s=0.5))
         assert store.set("k", b"v", ttl_s=60)
@@ -89,6 +89,11 @@ def test_dead_server_opens_the_breaker_then_recovers():
         assert store.available
         assert store.set("k", b"w", ttl_s=60) and store.breaker.state == "closed"
         assert store.get_many(["k"]) == [b"w"] and store.errors == 3 and store.breaker.times_opened == 1
+        # one line for the outage (not one per failed call), one when Redis answers again
+        lines = [r.getMessage() for r in caplog.records if r.name == "cache_service.store"]
+        assert len(lines) == 2, lines
+        assert "MGET" in lines[0] and "counted, not logged" in lines[0]
+        assert "answers again (3 failed calls" in lines[1]
 
 
 def test_hung_server_costs_one_timeout_per_call():

@@ -47,7 +47,6 @@ import inspect
 import json
 import os
 import re
-import socket
 import statistics
 import sys
 import tempfile
@@ -61,6 +60,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.report import write_report  # noqa: E402
+from cache_service import find_free_port  # noqa: E402
 from deployments.engine import Engine, EngineConfig, GenerationRequest  # noqa: E402
 from model import load_model, load_tokenizer  # noqa: E402
 from model.layers.moe import SparseMoE  # noqa: E402
@@ -82,11 +82,6 @@ _CODE = [
 def prompts(n: int, salt: str = "") -> list[str]:
     return [f"# {salt}{i}\n" + _CODE[i % len(_CODE)] for i in range(n)]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pct(xs, q) -> float | None:
@@ -524,7 +519,7 @@ def main_expert_pool_only(args) -> int:
         _, key = reg.add("bench", pools=["standard"], rpm=1_000_000, tpm=1_000_000_000, max_context=8192)
         reg.save(Path(tmp) / "tenants.yaml")
         config = PlatformConfig(model=MODEL, model_name=NAME, tenants_file=str(Path(tmp) / "tenants.yaml"),
-                                http_port=free_port(), grpc_port=free_port(), num_slots=32, replica_num_cpus=0.05,
+                                http_port=find_free_port(), grpc_port=find_free_port(), num_slots=32, replica_num_cpus=0.05,
                                 torch_threads=1)
         config = config.model_copy(update={"pools": {"standard": config.pools["standard"]}})
         pool_config = config.model_copy(update={"expert_mode": "pool"})
@@ -612,7 +607,7 @@ def main() -> int:
         _, key = reg.add("bench", pools=["standard", "highspeed"], rpm=1_000_000, tpm=1_000_000_000, max_context=8192)
         reg.save(Path(tmp) / "tenants.yaml")
         config = PlatformConfig(model=MODEL, model_name=NAME, tenants_file=str(Path(tmp) / "tenants.yaml"),
-                                http_port=free_port(), grpc_port=free_port(), num_slots=32, replica_num_cpus=0.05,
+                                http_port=find_free_port(), grpc_port=find_free_port(), num_slots=32, replica_num_cpus=0.05,
                                 torch_threads=1)
         if args.stream_interval_ms is not None:
             std = config.pools["standard"].model_copy(update={"stream_interval_ms": args.stream_interval_ms})

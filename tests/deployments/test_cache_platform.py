@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import random
-import socket
 import time
 
 import httpx
@@ -20,7 +19,7 @@ import openai
 import pytest
 import torch
 
-from cache_service.redis_server import LocalRedisServer
+from cache_service.redis_server import LocalRedisServer, find_free_port
 from cache_service.store import RedisStore
 from deployments.config import PlatformConfig
 from deployments.tenants import TenantRegistry
@@ -33,11 +32,6 @@ BLOCK = 32
 NEAR_TIE = 1e-4
 NEAR_TIES: list[str] = []
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +51,7 @@ def platform(tmp_path_factory):
     reg.save(tmp / "tenants.yaml")
     pools = {"standard": {"max_num_seqs": 16, "max_num_batched_tokens": 512, "decode_replicas": 2}}
     a = PlatformConfig(model=MODEL, model_name="k3", tenants_file=str(tmp / "tenants.yaml"), pools=pools,
-                       http_port=_free_port(), grpc_port=_free_port(), num_slots=16,
+                       http_port=find_free_port(), grpc_port=find_free_port(), num_slots=16,
                        cache={"redis_url": redis.url, "block_size": BLOCK, "checkpoint_every": 4, "breaker_reset_s": 1.0})
     b = a.model_copy(update={"pools": {"standard": a.pools["standard"].model_copy(update={"decode_replicas": 1})},
                              "cache": a.cache.model_copy(update={"handoff": "cache"})})

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from cache_service import find_free_port  # noqa: E402
 from deployments.api import (  # noqa: E402
     ApiError,
     BadRequest,
@@ -246,11 +246,6 @@ def test_api_key_from_metadata(md, key):
 # ----------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _reset_ray_auth_config() -> None:
     # Make this process re-read RAY_AUTH_* (RayConfig and the token cache are process-wide).
@@ -280,7 +275,7 @@ def grpc_target():
     # This module is not importable in the workers: ship FakeFrontend & co by value.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-    grpc_port, http_port = _free_port(), _free_port()
+    grpc_port, http_port = find_free_port(), find_free_port()
     try:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         serve.start(

@@ -4,7 +4,6 @@ prefill/decode separation, replica changes under load, concurrency, traces."""
 from __future__ import annotations
 
 import concurrent.futures as cf
-import socket
 import statistics
 import time
 
@@ -20,15 +19,11 @@ from deployments.proto.deltaserve.v1 import inference_pb2_grpc as pbg
 from deployments.tenants import TenantRegistry
 from model import load_model, load_tokenizer
 from model.runner import ModelRunner, generate
+from cache_service import find_free_port
 from tests.conftest import local_ray_env
 
 MODEL = "tiny-k3"
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +42,7 @@ def platform(tmp_path_factory):
     _, carol = reg.add("carol", pools=["standard"], rpm=2, tpm=100_000, max_context=64)
     reg.save(tmp / "tenants.yaml")
     config = PlatformConfig(model=MODEL, model_name="tiny", tenants_file=str(tmp / "tenants.yaml"),
-                            http_port=_free_port(), grpc_port=_free_port(), trace_memory=True, num_slots=16)
+                            http_port=find_free_port(), grpc_port=find_free_port(), trace_memory=True, num_slots=16)
     pool_config = config.model_copy(update={"expert_mode": "pool"})
     start(config, extra_apps=[("pool-mode", "/pool", pool_config)])
     yield {"config": config, "alice": alice, "bob": bob, "carol": carol, "http": f"http://127.0.0.1:{config.http_port}",

@@ -24,7 +24,6 @@ from deployments.engine import (
     RequestOutput,
     Sequence,
 )
-from model import load_model, load_tokenizer
 from model.runner import ModelRunner, SamplingParams, generate
 from model.state import SequenceState
 from model.tokenizer import ByteTokenizer
@@ -44,16 +43,6 @@ def one_thread_and_near_tie_report():
     yield
     torch.set_num_threads(threads)
     print(f"\n[test_engine] near-ties accepted: {len(NEAR_TIES)} {NEAR_TIES}")
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_model("tiny-k3")
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer("tiny-k3")
 
 
 def prompt(n: int, seed: int) -> list[int]:

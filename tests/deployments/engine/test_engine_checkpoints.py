@@ -11,21 +11,10 @@ import torch
 
 from tests.conftest import rel_rms
 from deployments.engine import CheckpointPlan, Engine, EngineConfig, GenerationRequest
-from model import load_model, load_tokenizer
 from model.runner import ModelRunner, SamplingParams
 from model.state import SequenceState
 
 PLAN = CheckpointPlan(block_size=8, every_blocks=2)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_model("tiny-k3")
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer("tiny-k3")
 
 
 def engine_for(model, tok, budget: int = 512) -> Engine:

@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.report import write_report  # noqa: E402
 from deployments.engine import Engine, EngineConfig, GenerationRequest  # noqa: E402
 from model import load_model, load_tokenizer  # noqa: E402
-from model.layers import attn_res as attn_res_layer, kda as kda_layer, mla as mla_layer, moe as moe_layer  # noqa: E402
+from model.layers import fused  # noqa: E402
 from model.layers.moe import SparseMoE  # noqa: E402
 from model.runner import ModelRunner  # noqa: E402
 
@@ -204,12 +204,6 @@ class StepProbe:
         return dt
 
 
-def set_native(flag: bool) -> None:
-    """Turn the decode step's C kernels (KDA step, MoE, Attention-Residual mix + norm, MLA attention) on or off."""
-    for module in (kda_layer, moe_layer, attn_res_layer, mla_layer):
-        module.USE_NATIVE = flag
-
-
 def count_bytes_flops(model, runner, n_seqs: int, ctx: list[int], experts_per_layer: list[float]) -> dict:
     cfg = model.config
     kda, D = cfg.kda, cfg.hidden_size
@@ -301,11 +295,11 @@ def main() -> int:
     # The same steps with the C kernels off (the torch fast paths they stand beside), interleaved with them on.
     native_walls, torch_walls = [], []
     for i in range(2 * args.torch_steps):
-        set_native(i % 2 == 0)
+        fused.NATIVE = i % 2 == 0
         w = time.perf_counter()
         engine.step()
         (native_walls if i % 2 == 0 else torch_walls).append(time.perf_counter() - w)
-    set_native(True)
+    fused.NATIVE = True
 
     # Per-part timing with hooks (a separate pass: hooks add a little time of their own).
     probe = StepProbe(engine)

@@ -104,6 +104,40 @@ def load(source: Path) -> ctypes.CDLL | None:
         return _cache[source]
 
 
+I64, I32, F32, PTR = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+
+
+class Library:
+    """The C functions of one source, typed on first use. Each returns 0, or a negative code that
+    ``errors`` names; :meth:`call` turns a nonzero code into ValueError."""
+
+    def __init__(self, source: Path, signatures: dict[str, list], errors: dict[int, str]) -> None:
+        self.source, self.signatures, self.errors = source, signatures, errors
+        self._typed: ctypes.CDLL | None = None
+
+    def _lib(self) -> ctypes.CDLL | None:
+        lib = load(self.source)
+        if lib is not None and lib is not self._typed:
+            for name, argtypes in self.signatures.items():
+                fn = getattr(lib, name)
+                fn.restype, fn.argtypes = ctypes.c_int, argtypes
+            self._typed = lib
+        return lib
+
+    def available(self) -> bool:
+        """True when the library is built and loaded (False: native kernels off, or no compiler)."""
+        return self._lib() is not None
+
+    def call(self, name: str, *args) -> None:
+        """Call ``name``; RuntimeError when the library is unavailable, ValueError naming a rejected argument."""
+        lib = self._lib()
+        if lib is None:
+            raise RuntimeError(f"the native kernel {self.source.name} is unavailable (see kernels.native)")
+        rc = getattr(lib, name)(*args)
+        if rc != 0:
+            raise ValueError(f"{name} rejected its arguments: {self.errors.get(rc, rc)}")
+
+
 def ptr(t) -> ctypes.c_void_p:
     """Address of a tensor's first element (the caller checked dtype, device and layout)."""
     return ctypes.c_void_p(t.data_ptr())

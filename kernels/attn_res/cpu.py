@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import torch
@@ -15,21 +14,10 @@ from kernels import native
 
 SOURCE = Path(__file__).with_name("cpu_mix_norm.c")
 MAX_BLOCKS = 64
-_I64, _F32, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-
-
-def _lib():
-    lib = native.load(SOURCE)
-    if lib is not None and not getattr(lib, "_typed", False):
-        lib.attn_res_mix_norm_f32.restype = ctypes.c_int
-        lib.attn_res_mix_norm_f32.argtypes = [_I64, _I64, _I64, _P, _P, _P, _P, _F32, _P, _F32, _P]
-        lib._typed = True
-    return lib
-
-
-def available() -> bool:
-    """True when the C kernel is built and loaded (False: native kernels off, or no compiler)."""
-    return _lib() is not None
+_I64, _F32, _P = native.I64, native.F32, native.PTR
+LIB = native.Library(SOURCE, {"attn_res_mix_norm_f32": [_I64, _I64, _I64, _P, _P, _P, _P, _F32, _P, _F32, _P]},
+                     {-1: f"the block count is outside 1..{MAX_BLOCKS}"})
+available = LIB.available
 
 
 def usable(*tensors: torch.Tensor | None) -> bool:
@@ -44,9 +32,6 @@ def mix_norm_cpu(h: torch.Tensor | None, blocks: torch.Tensor, logits: torch.Ten
     h [N, D] partial sums or None (mix over the blocks only); blocks [N, nb, D]; logits [N, nb] the blocks'
     logits at this mixing point; row [D] the point's query; weight [D] = √D · the norm's weight. All
     contiguous fp32 (:func:`usable`)."""
-    lib = _lib()
-    if lib is None:
-        raise RuntimeError("the native Attention-Residual kernel is unavailable (see kernels.native)")
     N, nb, D = blocks.shape
     if not usable(h, blocks, logits, row, weight):
         raise ValueError("mix_norm_cpu: every tensor must be contiguous fp32 on CPU")
@@ -57,6 +42,6 @@ def mix_norm_cpu(h: torch.Tensor | None, blocks: torch.Tensor, logits: torch.Ten
         raise ValueError(f"mix_norm_cpu: {nb} blocks, the kernel takes 1..{MAX_BLOCKS}")
     out = torch.empty(N, D)
     p = native.ptr
-    lib.attn_res_mix_norm_f32(N, D, nb, None if h is None else p(h), p(blocks), p(logits), p(row), float(eps_mix),
-                              p(weight), float(eps_norm), p(out))
+    LIB.call("attn_res_mix_norm_f32", N, D, nb, None if h is None else p(h), p(blocks), p(logits), p(row),
+             float(eps_mix), p(weight), float(eps_norm), p(out))
     return out

@@ -7,7 +7,6 @@ fla-core's naive recurrence.
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import torch
@@ -15,25 +14,11 @@ import torch
 from kernels import native
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
-_I64, _F32, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-_ERRORS = {-1: "head dim above 256 or conv width < 1", -2: "out of memory", -3: "a slot index is out of range"}
-
-
-def _lib():
-    lib = native.load(SOURCE)
-    if lib is not None and not getattr(lib, "_typed", False):
-        lib.kda_decode_f32.restype = ctypes.c_int
-        lib.kda_decode_f32.argtypes = [
-            _I64, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _I64, _P, ctypes.c_int32, _P, _I64, _P, _I64, _P, _P, _I64,
-            _F32, _P,
-        ]
-        lib._typed = True
-    return lib
-
-
-def available() -> bool:
-    """True when the C kernel is built and loaded (False: native kernels off, or no compiler)."""
-    return _lib() is not None
+_I64, _I32, _F32, _P = native.I64, native.I32, native.F32, native.PTR
+LIB = native.Library(SOURCE, {
+    "kda_decode_f32": [_I64, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _I64, _P, _I32, _P, _I64, _P, _I64, _P, _P, _I64, _F32, _P],
+}, {-1: "head dim above 256 or conv width < 1", -2: "out of memory", -3: "a slot index is out of range"})
+available = LIB.available
 
 
 def _rows(t: torch.Tensor, name: str, shape: tuple[int, int]) -> int:
@@ -58,9 +43,6 @@ def kda_decode_cpu(
     projection). Returns [N, P] = o / sqrt(|o|² + eps_sum) · sigmoid(gate). Raises RuntimeError when
     the kernel is unavailable (check :func:`available`).
     """
-    lib = _lib()
-    if lib is None:
-        raise RuntimeError("the native KDA decode kernel is unavailable (see kernels.native)")
     S, H, D, D2 = state.shape
     N, P = g.shape[0], H * D
     W = wc.shape[0]
@@ -77,8 +59,6 @@ def kda_decode_cpu(
     sq, sg, sb, sgt = _rows(qkv, "qkv", (N, 3 * P)), _rows(g, "g", (N, P)), _rows(b, "b", (N, H)), _rows(gate, "gate", (N, P))
     out = torch.empty(N, P)
     p = native.ptr
-    rc = lib.kda_decode_f32(N, H, D, W, p(qkv), sq, p(conv), p(wc), p(g), sg, p(a), int(softplus_form), p(b), sb,
-                            p(gate), sgt, p(state), p(slots), S, float(eps_sum), p(out))
-    if rc != 0:
-        raise ValueError(f"kda_decode_f32 rejected its arguments: {_ERRORS.get(rc, rc)} (slots {slots.tolist()}, of {S})")
+    LIB.call("kda_decode_f32", N, H, D, W, p(qkv), sq, p(conv), p(wc), p(g), sg, p(a), int(softplus_form), p(b), sb,
+             p(gate), sgt, p(state), p(slots), S, float(eps_sum), p(out))
     return out

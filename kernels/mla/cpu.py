@@ -9,7 +9,6 @@ the padded batch.
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import torch
@@ -17,30 +16,15 @@ import torch
 from kernels import native
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
-_I64, _P = ctypes.c_int64, ctypes.c_void_p
-_ERRORS = {-1: "more than 128 heads or R > the row width", -2: "out of memory", -3: "a length below 1 or a null cache"}
-
-
-def _lib():
-    lib = native.load(SOURCE)
-    if lib is not None and not getattr(lib, "_typed", False):
-        lib.mla_decode_f32.restype = ctypes.c_int
-        lib.mla_decode_f32.argtypes = [_I64, _I64, _I64, _I64, _P, _P, _P, _P]
-        lib._typed = True
-    return lib
-
-
-def available() -> bool:
-    """True when the C kernel is built and loaded (False: native kernels off, or no compiler)."""
-    return _lib() is not None
+_I64, _P = native.I64, native.PTR
+LIB = native.Library(SOURCE, {"mla_decode_f32": [_I64, _I64, _I64, _I64, _P, _P, _P, _P]},
+                     {-1: "more than 128 heads or R > the row width", -2: "out of memory", -3: "a length below 1 or a null cache"})
+available = LIB.available
 
 
 def mla_decode_cpu(q: torch.Tensor, caches: list[torch.Tensor], lengths: list[int], rank: int) -> torch.Tensor:
     """q [N, H, Dc] (latent queries with the rope part, scaled) → [N, H, rank]: softmax(q · ctx_nᵀ) · ctx_n[:, :rank]
     over the first ``lengths[n]`` rows of ``caches[n]`` ([capacity, Dc] contiguous fp32, read in place)."""
-    lib = _lib()
-    if lib is None:
-        raise RuntimeError("the native MLA decode kernel is unavailable (see kernels.native)")
     N, H, Dc = q.shape
     if q.dtype != torch.float32 or not q.is_contiguous():
         raise ValueError(f"q: expected contiguous fp32 [N, H, Dc], got {q.dtype} {tuple(q.shape)}")
@@ -53,7 +37,5 @@ def mla_decode_cpu(q: torch.Tensor, caches: list[torch.Tensor], lengths: list[in
     addr = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64)
     lens = torch.tensor(lengths, dtype=torch.int64)
     p = native.ptr
-    rc = lib.mla_decode_f32(N, H, Dc, rank, p(q), p(addr), p(lens), p(out))
-    if rc != 0:
-        raise ValueError(f"mla_decode_f32 rejected its arguments: {_ERRORS.get(rc, rc)}")
+    LIB.call("mla_decode_f32", N, H, Dc, rank, p(q), p(addr), p(lens), p(out))
     return out

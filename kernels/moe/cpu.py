@@ -7,7 +7,6 @@ matmuls over the same stacked weights) and ``run_experts_loop`` (the reference);
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import torch
@@ -16,27 +15,14 @@ from kernels import native
 
 SOURCE = Path(__file__).with_name("cpu_experts.c")
 ACTS = {"silu": 0, "situ": 1, "situ-folded": 2}
-_I64, _P = ctypes.c_int64, ctypes.c_void_p
-_ERRORS = {-2: "out of memory", -3: "an expert id is out of range", -4: "unknown activation", -5: "D above 4096"}
-
-
-def _lib():
-    lib = native.load(SOURCE)
-    if lib is not None and not getattr(lib, "_typed", False):
-        lib.moe_experts_f32.restype = ctypes.c_int
-        lib.moe_experts_f32.argtypes = [_I64, _I64, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _P, ctypes.c_int32,
-                                        ctypes.c_float, _P]
-        lib.moe_route_f32.restype = ctypes.c_int
-        lib.moe_route_f32.argtypes = [_I64, _I64, _I64, _P, _I64, _P, ctypes.c_int32, ctypes.c_float, _P, _P]
-        lib.moe_combine_f32.restype = ctypes.c_int
-        lib.moe_combine_f32.argtypes = [_I64, _I64, _I64, _P, ctypes.c_float, _P, _I64, ctypes.c_int32, ctypes.c_float, _P]
-        lib._typed = True
-    return lib
-
-
-def available() -> bool:
-    """True when the C kernel is built and loaded (False: native kernels off, or no compiler)."""
-    return _lib() is not None
+_I64, _I32, _F32, _P = native.I64, native.I32, native.F32, native.PTR
+LIB = native.Library(SOURCE, {
+    "moe_experts_f32": [_I64, _I64, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _P, _I32, _F32, _P],
+    "moe_route_f32": [_I64, _I64, _I64, _P, _I64, _P, _I32, _F32, _P, _P],
+    "moe_combine_f32": [_I64, _I64, _I64, _P, _F32, _P, _I64, _I32, _F32, _P],
+}, {-1: "k outside 1..E or more than 4096 experts", -2: "out of memory", -3: "an expert id is out of range",
+    -4: "unknown activation", -5: "D above 4096"})
+available = LIB.available
 
 
 def moe_experts_cpu(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -46,9 +32,6 @@ def moe_experts_cpu(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: to
     x [T, D] fp32 (rows contiguous, may be strided), idx [T, k] int64, w [T, k] fp32, stacked expert weights
     w13 [E, D, 2I] (gate then up columns) and w2 [E, I, D] (contiguous fp32, constants folded as by
     ``_Act.fold``); ``act`` one of :data:`ACTS` ("situ-folded": SiTU with both betas folded into the weights)."""
-    lib = _lib()
-    if lib is None:
-        raise RuntimeError("the native routed-expert kernel is unavailable (see kernels.native)")
     if act not in ACTS:
         raise ValueError(f"act must be one of {sorted(ACTS)}, got {act!r}")
     E, D, I2 = w13.shape
@@ -64,10 +47,8 @@ def moe_experts_cpu(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: to
             raise ValueError(f"{name}: expected contiguous fp32 {shape}, got {t.dtype} {tuple(t.shape)}")
     out = torch.empty(T, D)
     p = native.ptr
-    rc = lib.moe_experts_f32(T, D, I2 // 2, k, E, p(x), x.stride(0), p(idx), p(w), p(w13), p(w2), ACTS[act],
-                             float(beta), p(out))
-    if rc != 0:
-        raise ValueError(f"moe_experts_f32 rejected its arguments: {_ERRORS.get(rc, rc)} (experts 0..{E - 1})")
+    LIB.call("moe_experts_f32", T, D, I2 // 2, k, E, p(x), x.stride(0), p(idx), p(w), p(w13), p(w2), ACTS[act],
+             float(beta), p(out))
     return out
 
 
@@ -75,9 +56,6 @@ def route_cpu(logits: torch.Tensor, bias: torch.Tensor | None, k: int, renorm: b
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """The router's fast path in one call: logits [T, E] fp32 (rows contiguous) → (idx [T, k] int64 in
     descending order of sigmoid(logits) + bias, w [T, k] fp32 renormalised (when ``renorm``) and scaled)."""
-    lib = _lib()
-    if lib is None:
-        raise RuntimeError("the native routed-expert kernel is unavailable (see kernels.native)")
     T, E = logits.shape
     if logits.dtype != torch.float32 or logits.stride(1) != 1:
         raise ValueError(f"logits: expected fp32 [T, E] with contiguous rows, got {logits.dtype} strides {logits.stride()}")
@@ -87,17 +65,14 @@ def route_cpu(logits: torch.Tensor, bias: torch.Tensor | None, k: int, renorm: b
         raise ValueError(f"k must be in 1..{E} (and E <= 4096), got k={k}")
     idx, w = torch.empty(T, k, dtype=torch.int64), torch.empty(T, k)
     p = native.ptr
-    lib.moe_route_f32(T, E, k, p(logits), logits.stride(0), None if bias is None else p(bias), int(renorm),
-                      float(scaling), p(idx), p(w))
+    LIB.call("moe_route_f32", T, E, k, p(logits), logits.stride(0), None if bias is None else p(bias), int(renorm),
+             float(scaling), p(idx), p(w))
     return idx, w
 
 
 def combine_cpu(y: torch.Tensor, eps: float | None, z: torch.Tensor | None, act: str, beta: float) -> torch.Tensor:
     """[unit_rms_norm(y, eps) | act(z)] → [T, L + S]: the latent norm (none when ``eps`` is None) and the
     shared expert's GLU of its gate|up pre-activation z [T, 2S] (none when ``z`` is None), side by side."""
-    lib = _lib()
-    if lib is None:
-        raise RuntimeError("the native routed-expert kernel is unavailable (see kernels.native)")
     if act not in ACTS:
         raise ValueError(f"act must be one of {sorted(ACTS)}, got {act!r}")
     T, L = y.shape
@@ -108,8 +83,6 @@ def combine_cpu(y: torch.Tensor, eps: float | None, z: torch.Tensor | None, act:
         raise ValueError(f"z: expected fp32 [{T}, 2S] with contiguous rows, got {z.dtype} {tuple(z.shape)}")
     out = torch.empty(T, L + S)
     p = native.ptr
-    rc = lib.moe_combine_f32(T, L, S, p(y), -1.0 if eps is None else float(eps), None if z is None else p(z),
-                             0 if z is None else z.stride(0), ACTS[act], float(beta), p(out))
-    if rc != 0:
-        raise ValueError(f"moe_combine_f32 rejected its arguments: {_ERRORS.get(rc, rc)}")
+    LIB.call("moe_combine_f32", T, L, S, p(y), -1.0 if eps is None else float(eps), None if z is None else p(z),
+             0 if z is None else z.stride(0), ACTS[act], float(beta), p(out))
     return out

@@ -23,11 +23,9 @@ from torch import nn
 
 from kernels.attn_res import cpu as attn_res_cpu
 
+from . import fused
 from .fused import rms_denom, rms_norm
 from .norms import RMSNorm
-
-# Set False to run the torch mix and norm instead of the C kernel (its reference; tests compare).
-USE_NATIVE = True
 
 
 def attn_res_mix(sources: list[torch.Tensor], proj: nn.Linear, norm: RMSNorm) -> torch.Tensor:
@@ -94,13 +92,13 @@ class AttnResStream:
 
     def mix_norm(self, h: torch.Tensor, m: int, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``fused.rms_norm(self.mix(h, m), weight, eps)``: one C call when the native kernel is built."""
-        if self.blocks is not None and USE_NATIVE and attn_res_cpu.usable(h, self.blocks) and attn_res_cpu.available():
+        if self.blocks is not None and fused.NATIVE and attn_res_cpu.usable(h, self.blocks) and attn_res_cpu.available():
             return attn_res_cpu.mix_norm_cpu(h, self.blocks, self.logits[m], self.rows[m], self.eps[m], weight, eps)
         return rms_norm(self.mix(h, m), weight, eps)
 
     def mix_blocks_norm(self, m: int, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``fused.rms_norm(self.mix_blocks(m), weight, eps)``, in one C call like :meth:`mix_norm`."""
-        if USE_NATIVE and attn_res_cpu.usable(self.blocks) and attn_res_cpu.available():
+        if fused.NATIVE and attn_res_cpu.usable(self.blocks) and attn_res_cpu.available():
             return attn_res_cpu.mix_norm_cpu(None, self.blocks, self.logits[m], self.rows[m], self.eps[m], weight, eps)
         return rms_norm(self.mix_blocks(m), weight, eps)
 

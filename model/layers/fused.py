@@ -32,6 +32,9 @@ _version = operator.attrgetter("_version")
 
 # Set False to force every layer onto its general path (tests compare the two).
 ENABLED = True
+# Set False to run the fast paths' torch code instead of the native C kernels they call when built
+# (``kernels/native.py``): the torch code is the kernels' reference (tests compare the two).
+NATIVE = True
 
 _generation = [0]
 

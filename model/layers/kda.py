@@ -31,6 +31,7 @@ from kernels.kda.cpu import kda_decode_cpu
 
 from ..config import ModelConfig
 from ..state import BatchLayout, StatePool
+from . import fused
 from .fused import Derived, cat_rows, fast_path_ok, linear_t, slot_range, t_weight, unit_rms_norm
 from .norms import RMSNorm, gated_rms_norm
 
@@ -250,7 +251,7 @@ class KimiDeltaAttention(nn.Module):
         N, H, D = x.shape[0], self.num_heads, self.head_dim
         W, split, wc, w_fb, dt, a_gate, w_gb, w_o, eps_o, a_vec = self._fast_weights()
         qkv, gate_in, fa, b = linear_t(x, W).split(split, dim=1)
-        if USE_NATIVE and kda_cpu.available():  # everything between the projections and o_proj in one C call
+        if fused.NATIVE and kda_cpu.available():  # everything between the projections and o_proj in one C call
             gate = gate_in if w_gb is None else linear_t(gate_in, w_gb)
             o = kda_decode_cpu(qkv, pool.conv_state[i], wc, linear_t(fa, w_fb, dt), a_vec, self.lower_bound is None,
                                b, gate, pool.kda_state[i], layout.slot_index, eps_o * D)
@@ -301,6 +302,4 @@ class KimiDeltaAttention(nn.Module):
         return linear_t(o.view(N, H * D), w_o)
 
 
-# Set False to run the decode fast path's torch code instead of the C kernel (its reference; tests compare).
-USE_NATIVE = True
 _SQRT_L2_EPS = torch.tensor(1e-6**0.5)  # l2norm's eps under the square root

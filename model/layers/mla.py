@@ -24,14 +24,13 @@ from kernels.mla import cpu as mla_cpu
 
 from ..config import ModelConfig
 from ..state import BatchLayout, StatePool
+from . import fused
 from .fused import Derived, fast_path_ok, linear_t, rms_norm, scaled_norm_weight, t_weight, unit_rms_norm
 from .norms import RMSNorm
 
 # The batched decode (the C kernel, or torch over one padded copy of the caches) while the caches are
 # small; beyond, torch's per-sequence products (faster for long contexts: measured 1 x 64k, 2.2 vs 3.1 ms).
 BATCHED_DECODE_MAX_BYTES = 8 << 20
-# Set False to run the torch batched path instead of the C kernel (its reference; tests compare).
-USE_NATIVE = True
 
 
 class MLAttention(nn.Module):
@@ -247,7 +246,7 @@ class MLAttention(nn.Module):
         lengths = [start + 1 for start in layout.starts]
         S = max(lengths)
         batched = N > 1 and N * S * q_full.shape[-1] * q_full.element_size() <= BATCHED_DECODE_MAX_BYTES
-        if batched and USE_NATIVE and mla_cpu.available():  # each cache read in place, no padded copy
+        if batched and fused.NATIVE and mla_cpu.available():  # each cache read in place, no padded copy
             lat = mla_cpu.mla_decode_cpu(q_full, [buffers[s] for s in layout.slots], lengths, R)
         elif batched:
             ctx = torch.nn.utils.rnn.pad_sequence([buffers[s][:n] for s, n in zip(layout.slots, lengths)], batch_first=True)

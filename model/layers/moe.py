@@ -35,8 +35,6 @@ from .norms import RMSNorm
 # overhead no longer matters there and the padded batches of the packed path would waste work.
 PACKED_MAX_ASSIGNMENTS = 512
 _TINY = torch.tensor(1e-20)
-# Set False to run the routed experts' torch fast path instead of the C kernel (its reference; tests compare).
-USE_NATIVE = True
 
 
 def glu(gate: torch.Tensor, up: torch.Tensor, act: str, beta: float = 1.0, linear_beta: float | None = None) -> torch.Tensor:
@@ -174,7 +172,7 @@ def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts: nn
     """
     if len(experts) and idx.numel() <= PACKED_MAX_ASSIGNMENTS and fast_path_ok(x):
         packed = packed_experts(experts)
-        if USE_NATIVE and moe_cpu.available():  # one C call: grouped matrix-vector products per expert
+        if fused.NATIVE and moe_cpu.available():  # one C call: grouped matrix-vector products per expert
             idx, w = idx.contiguous(), w.contiguous()
             w13, w2 = packed.weights(set(idx.view(-1).tolist()))
             return moe_cpu.moe_experts_cpu(x, idx, w, w13, w2, packed.act.native_mode, packed.act.beta)
@@ -359,7 +357,7 @@ class SparseMoE(nn.Module):
         if self.latent and fast_path_ok(x):
             W_in, split, W_out, eps, gate, experts, shared_act, call_shared, zero_bias = self._fast_parts()
             z = linear_t(x, W_in).split(split, dim=1)
-            native = USE_NATIVE and gate.n_group == 1 and moe_cpu.available()
+            native = fused.NATIVE and gate.n_group == 1 and moe_cpu.available()
             if native:  # the router in one C call
                 bias = None if zero_bias else gate.e_score_correction_bias.detach().float()
                 idx, w = moe_cpu.route_cpu(z[0], bias, gate.top_k, gate.renormalize, gate.scaling)

@@ -75,11 +75,10 @@ def _assert_same_state(a: ModelRunner, b: ModelRunner, slots):
 ])
 @pytest.mark.parametrize("native", [True, False], ids=["c-kernels", "torch"])
 def test_batched_decode_fast_equals_general(model, slots, lengths, native, monkeypatch):
-    from model.layers import attn_res, kda, mla, moe
+    from model.runner import native_kernels
 
-    for module in (kda, moe, attn_res, mla):
-        monkeypatch.setattr(module, "USE_NATIVE", native)
-    if native and not all(k.available() for k in (kda.kda_cpu, moe.moe_cpu, attn_res.attn_res_cpu, mla.mla_cpu)):
+    monkeypatch.setattr(fused, "NATIVE", native)
+    if native and not all(native_kernels().values()):
         pytest.fail("the native CPU kernels did not build (a C compiler is part of `make test`'s setup)")
     prompts = [_ids(n, 100 + i) for i, n in enumerate(lengths)]
     fast, general = _twin_runners(model, 10, prompts, slots)
@@ -112,7 +111,7 @@ def test_mla_c_kernel_equals_padded_torch_batch(model, monkeypatch):
     native, padded = _twin_runners(model, 3, prompts, slots)
     tokens = _ids(3, 600)
     out_native = native.decode(slots, tokens)
-    monkeypatch.setattr(mla, "USE_NATIVE", False)
+    monkeypatch.setattr(fused, "NATIVE", False)
     assert rel_rms(padded.decode(slots, tokens), out_native) <= TOL
 
 

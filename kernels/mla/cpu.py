@@ -3,7 +3,7 @@ attending over its own cache in place (no padded copy).
 
 Beside ``MLAttention._decode_absorbed``'s torch paths (its reference; ``tests/kernels/test_mla_cpu_decode.py``
 holds them together). Measured here: faster than the padded batched torch path for short contexts, slower
-than torch's per-sequence GEMVs for long ones (1 x 64k: 3.1 vs 2.2 ms), so the layer uses it where it used
+than torch's per-sequence GEMVs for long ones (``benchmarks/bench_cpu_kernels.py``), so the layer uses it where it used
 the padded batch.
 """
 

@@ -124,8 +124,8 @@ def t_weight(w: torch.Tensor) -> torch.Tensor:
 def linear_t(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, wt.T, bias)`` for 2-D ``x`` and a weight stored transposed (:func:`t_weight`).
 
-    The same product, but on this CPU's BLAS the decode step's small-M products run 25-40% faster
-    from an [in, out] weight when it is not in cache (it never is: a step reads ~70 MB)."""
+    The same product, but on this CPU's BLAS the decode step's small-M products run 1.2-1.75x faster
+    from an [in, out] weight, in cache or not (``benchmarks/results/cpu_kernels.md``)."""
     return torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
 
 

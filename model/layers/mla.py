@@ -29,7 +29,7 @@ from .fused import Derived, fast_path_ok, linear_t, rms_norm, scaled_norm_weight
 from .norms import RMSNorm
 
 # The batched decode (the C kernel, or torch over one padded copy of the caches) while the caches are
-# small; beyond, torch's per-sequence products (faster for long contexts: measured 1 x 64k, 2.2 vs 3.1 ms).
+# small; beyond, torch's per-sequence products (faster for long contexts: benchmarks/results/cpu_kernels.md).
 BATCHED_DECODE_MAX_BYTES = 8 << 20
 
 

@@ -68,12 +68,13 @@ class CacheConfig(_Strict):
 def _default_pools() -> dict[str, PoolConfig]:
     return {
         # standard: tokens in chunks of up to 100 ms (a quarter of its TPOT target) cut the per-chunk cost of the
-        # decode -> ingress -> proxy -> client hops (benchmarks/results/serving.md, a); highspeed: every token.
+        # decode -> ingress -> proxy -> client hops (benchmarks/results/serving.md, a); highspeed: 20 ms (a chunk per
+        # token costs more CPU outside the engine than its small decode step).
         # standard also gathers a burst of arrivals into one prefill step (up to 100 ms; a lone request waits 30 ms).
         "standard": PoolConfig(max_num_seqs=32, max_num_batched_tokens=1024, ttft_slo_ms=4000, tpot_slo_ms=400,
                                stream_interval_ms=100, prefill_gather_wait_ms=100, prefill_gather_gap_ms=30),
         "highspeed": PoolConfig(max_num_seqs=4, max_num_batched_tokens=256, ttft_slo_ms=1000, tpot_slo_ms=100,
-                                stream_interval_ms=0),
+                                stream_interval_ms=20),
     }
 
 

@@ -43,6 +43,9 @@ def platform(tmp_path_factory):
     reg.save(tmp / "tenants.yaml")
     config = PlatformConfig(model=MODEL, model_name="tiny", tenants_file=str(tmp / "tenants.yaml"),
                             http_port=find_free_port(), grpc_port=find_free_port(), trace_memory=True, num_slots=16)
+    # highspeed streams a chunk per token here (default: 20 ms chunks), so the stream-interval tests see both
+    hs = config.pools["highspeed"].model_copy(update={"stream_interval_ms": 0})
+    config = config.model_copy(update={"pools": {**config.pools, "highspeed": hs}})
     pool_config = config.model_copy(update={"expert_mode": "pool"})
     start(config, extra_apps=[("pool-mode", "/pool", pool_config)])
     yield {"config": config, "alice": alice, "bob": bob, "carol": carol, "http": f"http://127.0.0.1:{config.http_port}",
@@ -228,7 +231,8 @@ def test_grpc_generate_stream_and_models(platform, reference):
 
 
 def test_stream_interval_batches_tokens_first_chunk_alone_same_tokens(platform, reference):
-    """standard has the default stream_interval_ms (100): its later chunks carry several tokens; highspeed (0) one each."""
+    """standard has the default stream_interval_ms (100): its later chunks carry several tokens; highspeed (0 in
+    this fixture) one each."""
     pools = platform["config"].pools
     assert (pools["standard"].stream_interval_ms, pools["highspeed"].stream_interval_ms) == (100, 0)
     md = [("authorization", f"Bearer {platform['alice']}"), ("application", "deltaserve")]

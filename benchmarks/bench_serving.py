@@ -325,7 +325,7 @@ def print_section_a(a: dict, args) -> None:
         v = statistics.fmean(dct.get(k, 0.0) for dct in a["http_cpu_s_by_component"])
         if v >= 0.005:
             print(f"  {k:45s} {1e3 * v / ntok:6.2f} CPU ms per output token")
-    extra = "" if args.stream_interval_ms is None else f" --stream-interval-ms {args.stream_interval_ms:g}"
+    extra = "".join(f" --standard {item}" for item in args.standard)
     print(f"Reproduce: {COMMAND} --only a --reps {args.reps}{extra}")
 
 
@@ -578,8 +578,9 @@ def main() -> int:
     ap.add_argument("--only", choices=["a", "d"], default=None,
                     help="run one section alone: a (serving overhead; prints its numbers, writes no report) or d "
                          "(expert pool, written to serving_expert_pool.{json,md})")
-    ap.add_argument("--stream-interval-ms", type=float, default=None,
-                    help="the standard pool's stream_interval_ms (default: PoolConfig's default for it)")
+    ap.add_argument("--standard", action="append", default=[], metavar="FIELD=VALUE",
+                    help="override a field of the standard pool's PoolConfig, e.g. --standard stream_interval_ms=0 "
+                         "(repeatable; default: PoolConfig's defaults)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.only == "d":
@@ -591,7 +592,7 @@ def main() -> int:
     from ray import serve
 
     from deployments.app import build_app
-    from deployments.config import PlatformConfig
+    from deployments.config import PlatformConfig, PoolConfig
     from deployments.decode import Decode
     from deployments.frontend import Frontend
     from deployments.local import LocalBackend
@@ -610,8 +611,9 @@ def main() -> int:
         config = PlatformConfig(model=MODEL, model_name=NAME, tenants_file=str(Path(tmp) / "tenants.yaml"),
                                 http_port=find_free_port(), grpc_port=find_free_port(), num_slots=32, replica_num_cpus=0.05,
                                 torch_threads=1)
-        if args.stream_interval_ms is not None:
-            std = config.pools["standard"].model_copy(update={"stream_interval_ms": args.stream_interval_ms})
+        if args.standard:
+            fields = dict(item.split("=", 1) for item in args.standard)
+            std = PoolConfig.model_validate({**config.pools["standard"].model_dump(), **fields})
             config = config.model_copy(update={"pools": {**config.pools, "standard": std}})
         pool_config = config.model_copy(update={"expert_mode": "pool", "pools": {"standard": config.pools["standard"]}})
         base = f"http://127.0.0.1:{config.http_port}"

@@ -40,12 +40,22 @@ class PoolConfig(_Strict):
     prefill_gather_gap_ms: float = Field(0.0, ge=0, description="the hold ends once no request has arrived for this "
                                          "long (what a lone request waits); at most prefill_gather_wait_ms")
 
+    decode_gather_wait_ms: float = Field(0.0, ge=0, description="the same for an idle decode replica and arriving "
+                                         "handoffs: a burst starts decoding in one step; 0 = off")
+    decode_gather_gap_ms: float = Field(0.0, ge=0, description="the decode hold ends once no handoff has arrived for "
+                                        "this long; at most decode_gather_wait_ms")
+
     @model_validator(mode="after")
     def _gather(self) -> "PoolConfig":
-        if self.prefill_gather_gap_ms > self.prefill_gather_wait_ms:
-            raise ValueError(f"prefill_gather_gap_ms ({self.prefill_gather_gap_ms}) must be <= prefill_gather_wait_ms "
-                             f"({self.prefill_gather_wait_ms})")
+        for kind in ("prefill", "decode"):
+            gap, wait = getattr(self, f"{kind}_gather_gap_ms"), getattr(self, f"{kind}_gather_wait_ms")
+            if gap > wait:
+                raise ValueError(f"{kind}_gather_gap_ms ({gap}) must be <= {kind}_gather_wait_ms ({wait})")
         return self
+
+    def gather_s(self, kind: str) -> tuple[float, float]:
+        """(wait, gap) in seconds of a ``kind`` ("prefill" or "decode") replica's burst window."""
+        return getattr(self, f"{kind}_gather_wait_ms") / 1e3, getattr(self, f"{kind}_gather_gap_ms") / 1e3
 
 
 class CacheConfig(_Strict):
@@ -99,6 +109,11 @@ class PlatformConfig(_Strict):
     trace_memory: bool = Field(False, description="keep finished spans in memory per replica (tests)")
     cache: CacheConfig = Field(default_factory=CacheConfig, description="prefix / KDA-state cache")
     failover_attempts: int = Field(3, ge=0, description="times a stream whose decode replica died is resumed on another")
+    serve_throughput_optimized: bool = Field(True, description="when `deltaserve up` starts the local Ray cluster: Ray "
+                                             "Serve's throughput-optimized mode (RAY_SERVE_THROUGHPUT_OPTIMIZED=1: gRPC "
+                                             "between replicas, user code on the replica's event loop), keeping Serve's "
+                                             "HTTP/gRPC proxies on `host` (RAY_SERVE_ENABLE_DIRECT_INGRESS=0). A running cluster "
+                                             "(`serve deploy`) takes them from its own environment (deployments.up.serve_env)")
 
     @field_validator("pools")
     @classmethod

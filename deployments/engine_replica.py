@@ -29,9 +29,8 @@ class EngineReplica:
                          max_num_batched_tokens=max(config.pools[pool].max_num_batched_tokens, max_num_seqs),
                          max_model_len=config.max_model_len),
         )
-        pc = config.pools[pool]
-        gather = (pc.prefill_gather_wait_ms / 1e3, pc.prefill_gather_gap_ms / 1e3) if kind == "prefill" else (0.0, 0.0)
-        self.async_engine = AsyncEngine(self.engine, gather_wait_s=gather[0], gather_gap_s=gather[1])
+        wait, gap = config.pools[pool].gather_s(kind)
+        self.async_engine = AsyncEngine(self.engine, gather_wait_s=wait, gather_gap_s=gap)
         self.replica = replica_id()
         self.cache = make_cache(config, model.config)
         self.plan = CheckpointPlan(config.cache.block_size, config.cache.checkpoint_every)

@@ -13,7 +13,11 @@ before decode included). A prefill replica that dies before decode fetches it lo
 object: the fetch raises :class:`~deployments.api.HandoffLost` and the frontend prefills
 again (the same path as a handoff lost from the cache service).
 
-In-process (:class:`~deployments.local.LocalBackend`) the bytes travel as they are.
+In-process (:class:`~deployments.local.LocalBackend`) the bytes travel as they are, and so
+they do where Serve sends replies between replicas over gRPC (throughput-optimized Serve,
+:func:`serve_replies_by_grpc`): a reference pickled into a gRPC reply is serialized out of
+band, and Ray then pins its object for the owner's lifetime (a leak per request), while
+the bytes cost the ingress only a copy there.
 """
 
 from __future__ import annotations
@@ -21,6 +25,15 @@ from __future__ import annotations
 from typing import Any
 
 from .api import HandoffLost
+
+
+def serve_replies_by_grpc() -> bool:
+    """Whether this Ray Serve process sends requests and replies to other replicas over gRPC
+    (``RAY_SERVE_THROUGHPUT_OPTIMIZED=1`` or ``RAY_SERVE_USE_GRPC_BY_DEFAULT=1``), where an
+    object reference cannot travel in a reply (see the module docstring)."""
+    from ray.serve._private import constants
+
+    return bool(getattr(constants, "RAY_SERVE_USE_GRPC_BY_DEFAULT", False))
 
 
 def put_state(data: bytes) -> Any:

@@ -7,7 +7,8 @@ checkpoints, from its LRU or Redis) and computes only the rest, cutting checkpoi
 prompt (:class:`~model.state.SequenceState` bytes) directly, or through the cache service
 (``cache.handoff: cache``): the decode replica continues from exactly there. Under Serve
 (``object_store_handoff``) the direct handoff returns a reference into Ray's object store
-(:mod:`deployments.handoff`) that the ingress forwards to decode without fetching it.
+(:mod:`deployments.handoff`) that the ingress forwards to decode without fetching it, except
+where Serve replies over gRPC (throughput-optimized Serve): there the bytes go in the reply.
 
 A request may carry ``replay_ids``: the output a failed decode replica already delivered.
 They are computed like prompt tokens (mostly loaded from that replica's checkpoints) and the
@@ -34,7 +35,8 @@ class Prefill(EngineReplica):
     def __init__(self, config: PlatformConfig, pool: str, expert_shards: list | None = None, *,
                  object_store_handoff: bool = False) -> None:
         super().__init__(config, pool, "prefill", expert_shards, num_slots=config.num_slots, max_num_seqs=config.num_slots)
-        self.object_store_handoff = object_store_handoff  # True in a Serve replica (app.py): the state goes by reference
+        # True in a Serve replica (app.py): the state goes by reference, unless Serve replies over gRPC
+        self.object_store_handoff = object_store_handoff and not handoff.serve_replies_by_grpc()
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         t0 = time.perf_counter()

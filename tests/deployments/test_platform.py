@@ -312,10 +312,11 @@ def test_concurrent_streams_match_alone(platform, reference):
         assert got[i] == _text(reference(prompts[i], lengths[i])), i
 
 
-def test_state_goes_prefill_to_decode_by_reference_and_a_lost_one_is_handoff_lost(platform, reference):
-    """Under Serve, prefill returns the state as an object-store reference (the ingress forwards it
-    unfetched); decode resumes from it exactly. A reference whose owner died is HandoffLost (the
-    frontend then prefills again)."""
+def test_state_handoff_prefill_to_decode_and_a_lost_reference_is_handoff_lost(platform, reference):
+    """Prefill returns the state in its reply where Serve replies over gRPC (throughput-optimized
+    Serve, the platform's default: a reference there would be pinned for good), else as an
+    object-store reference the ingress forwards unfetched; decode resumes from it exactly. A
+    reference whose owner died is HandoffLost (the frontend then prefills again)."""
     import asyncio
 
     import ray
@@ -330,7 +331,8 @@ def test_state_goes_prefill_to_decode_by_reference_and_a_lost_one_is_handoff_los
     dec = serve.get_deployment_handle("decode-standard", app_name="deltaserve")
     req = PrefillRequest("by-ref-1", tuple(_ids("def ref(x):")), 6, SamplingParams(), ignore_eos=True)
     res = pre.prefill.remote(req).result()
-    assert isinstance(res.state, ray.ObjectRef) and res.handoff_key is None
+    by_grpc = platform["config"].serve_throughput_optimized
+    assert isinstance(res.state, bytes if by_grpc else ray.ObjectRef) and res.handoff_key is None
     chunks = list(dec.options(stream=True).generate.remote(DecodeRequest(req, res.first_token, res.state)))
     assert [t for c in chunks for t in c.token_ids] == reference("def ref(x):", 6)
 

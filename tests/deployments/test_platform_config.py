@@ -38,3 +38,19 @@ def test_bad_overrides_and_fields_are_named():
         PlatformConfig(pools={"standard": {}, "turbo": {}})
     with pytest.raises(ValidationError, match="extra"):
         PlatformConfig.load({"modle": "k3-tiny"})
+
+
+def test_serve_env_is_throughput_optimized_with_serve_proxies_and_never_overrides(monkeypatch):
+    import os
+
+    from deployments.up import _environ, serve_env
+
+    env = serve_env(PlatformConfig())
+    assert env == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+                   "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
+    assert serve_env(PlatformConfig(serve_throughput_optimized=False)) == {}
+    monkeypatch.delenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", raising=False)
+    monkeypatch.setenv("RAY_SERVE_ENABLE_DIRECT_INGRESS", "1")  # the operator's choice wins
+    with _environ(env):
+        assert os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1" and os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+    assert "RAY_SERVE_THROUGHPUT_OPTIMIZED" not in os.environ and os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"

@@ -325,7 +325,7 @@ def print_section_a(a: dict, args) -> None:
         v = statistics.fmean(dct.get(k, 0.0) for dct in a["http_cpu_s_by_component"])
         if v >= 0.005:
             print(f"  {k:45s} {1e3 * v / ntok:6.2f} CPU ms per output token")
-    extra = "".join(f" --standard {item}" for item in args.standard)
+    extra = " --no-cache" * args.no_cache + "".join(f" --standard {item}" for item in args.standard)
     print(f"Reproduce: {COMMAND} --only a --reps {args.reps}{extra}")
 
 
@@ -578,6 +578,7 @@ def main() -> int:
     ap.add_argument("--only", choices=["a", "d"], default=None,
                     help="run one section alone: a (serving overhead; prints its numbers, writes no report) or d "
                          "(expert pool, written to serving_expert_pool.{json,md})")
+    ap.add_argument("--no-cache", action="store_true", help="run the platform with the prefix / KDA-state cache off")
     ap.add_argument("--standard", action="append", default=[], metavar="FIELD=VALUE",
                     help="override a field of the standard pool's PoolConfig, e.g. --standard stream_interval_ms=0 "
                          "(repeatable; default: PoolConfig's defaults)")
@@ -611,6 +612,8 @@ def main() -> int:
         config = PlatformConfig(model=MODEL, model_name=NAME, tenants_file=str(Path(tmp) / "tenants.yaml"),
                                 http_port=find_free_port(), grpc_port=find_free_port(), num_slots=32, replica_num_cpus=0.05,
                                 torch_threads=1)
+        if args.no_cache:
+            config = config.model_copy(update={"cache": config.cache.model_copy(update={"enabled": False})})
         if args.standard:
             fields = dict(item.split("=", 1) for item in args.standard)
             std = PoolConfig.model_validate({**config.pools["standard"].model_dump(), **fields})

@@ -80,9 +80,12 @@ def _default_pools() -> dict[str, PoolConfig]:
         # standard: tokens in chunks of up to 100 ms (a quarter of its TPOT target) cut the per-chunk cost of the
         # decode -> ingress -> proxy -> client hops (benchmarks/results/serving.md, a); highspeed: 20 ms (a chunk per
         # token costs more CPU outside the engine than its small decode step).
-        # standard also gathers a burst of arrivals into one prefill step (up to 100 ms; a lone request waits 30 ms).
+        # standard also gathers a burst of arrivals into one prefill step (up to 100 ms; a lone request waits 30 ms),
+        # and a burst of handoffs into one first decode step (up to 60 ms; a lone one waits 10 ms): the decode
+        # replica takes a burst in without decode steps competing for its CPU and GIL (serving.md, a).
         "standard": PoolConfig(max_num_seqs=32, max_num_batched_tokens=1024, ttft_slo_ms=4000, tpot_slo_ms=400,
-                               stream_interval_ms=100, prefill_gather_wait_ms=100, prefill_gather_gap_ms=30),
+                               stream_interval_ms=100, prefill_gather_wait_ms=100, prefill_gather_gap_ms=30,
+                               decode_gather_wait_ms=60, decode_gather_gap_ms=10),
         "highspeed": PoolConfig(max_num_seqs=4, max_num_batched_tokens=256, ttft_slo_ms=1000, tpot_slo_ms=100,
                                 stream_interval_ms=20),
     }

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import random
+import threading
 import time
 
 import httpx
@@ -199,12 +200,16 @@ def test_killing_decode_replicas_mid_stream_loses_nothing(platform, ref_model):
     prompts = [conversation(t) for t in ("queues", "graphs", "retries", "caching")]
     wait_for(lambda: len(_decode_replicas("a")) == 2, 60, "two decode replicas")
     for round_ in range(3):
+        started = threading.Semaphore(0)  # released once per stream at its first chunk
+
         def stream(msgs):
             client = openai.OpenAI(base_url=f"{platform['http']}/v1", api_key=platform["alice"], max_retries=0, timeout=300)
             parts, finish, usage = [], None, None
             for c in client.chat.completions.create(model="k3", messages=msgs, max_tokens=48, temperature=0, stream=True,
                                                     stream_options={"include_usage": True}):
                 if c.choices:
+                    if not parts:
+                        started.release()
                     parts.append(c.choices[0].delta.content or "")
                     finish = c.choices[0].finish_reason or finish
                 if c.usage:
@@ -213,7 +218,9 @@ def test_killing_decode_replicas_mid_stream_loses_nothing(platform, ref_model):
 
         with cf.ThreadPoolExecutor(len(prompts)) as ex:
             futures = [ex.submit(stream, m) for m in prompts]
-            time.sleep(rng.uniform(0.6, 2.0))  # mid-stream
+            for _ in prompts:  # every stream is under way: the kill lands mid-stream however fast they decode
+                assert started.acquire(timeout=120)
+            time.sleep(rng.uniform(0.0, 0.2))
             victim = rng.choice(_decode_replicas("a"))
             ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
             results = [f.result(timeout=300) for f in futures]

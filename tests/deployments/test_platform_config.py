@@ -54,3 +54,23 @@ def test_serve_env_is_throughput_optimized_with_serve_proxies_and_never_override
     with _environ(env):
         assert os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1" and os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
     assert "RAY_SERVE_THROUGHPUT_OPTIMIZED" not in os.environ and os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+
+
+def test_gather_windows_per_replica_kind_and_checked():
+    from deployments.config import PoolConfig
+
+    std = PlatformConfig().pools["standard"]
+    assert std.gather_s("prefill") == (0.1, 0.03) and std.gather_s("decode") == (0.06, 0.01)
+    assert PlatformConfig().pools["highspeed"].gather_s("decode") == (0.0, 0.0)
+    with pytest.raises(ValidationError, match=r"decode_gather_gap_ms \(20.0\) must be <= decode_gather_wait_ms \(5.0\)"):
+        PoolConfig(decode_gather_wait_ms=5, decode_gather_gap_ms=20)
+
+
+def test_serve_config_yaml_is_the_embedded_defaults():
+    from pathlib import Path
+
+    import yaml
+
+    doc = yaml.safe_load((Path(__file__).parents[2] / "deployments" / "serve_config.yaml").read_text())
+    args = PlatformConfig.load(doc["applications"][0]["args"])
+    assert args.pools == PlatformConfig().pools

@@ -150,10 +150,22 @@ class ExpertPoolClient:
         self._locks = [threading.Lock() for _ in shards]
         self._down_until = [0.0] * len(shards)
         self._stats_lock = threading.Lock()
-        self.counts = {"direct_calls": 0, "handle_calls": 0, "reconnects": 0, "fallbacks": 0}
+        # layer_calls / tokens / dispatch_s: MoE layer calls, the tokens they sent, wall seconds inside run()
+        self.counts = {"direct_calls": 0, "handle_calls": 0, "reconnects": 0, "fallbacks": 0,
+                       "layer_calls": 0, "tokens": 0, "dispatch_s": 0.0}
 
     def run(self, layer: int, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Σ over shards of their experts' weighted outputs: x [T, D], idx [T, k], w [T, k] → [T, D] in x's dtype."""
+        t0 = time.perf_counter()
+        try:
+            return self._run(layer, x, idx, w)
+        finally:
+            with self._stats_lock:
+                self.counts["layer_calls"] += 1
+                self.counts["tokens"] += x.shape[0]
+                self.counts["dispatch_s"] += time.perf_counter() - t0
+
+    def _run(self, layer: int, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         xf = x.detach().to("cpu", torch.float32)
         parts = [(s, rows, xf[rows].contiguous(), sub_idx, sub_w)
                  for s, rows, sub_idx, sub_w in shard_parts(idx.cpu(), w.detach().to("cpu", torch.float32), len(self.shards))]
@@ -169,7 +181,7 @@ class ExpertPoolClient:
 
     def stats(self) -> dict:
         with self._stats_lock:
-            return {"transport": self.transport, **self.counts}
+            return {"transport": self.transport, "shards": len(self.shards), **self.counts}
 
     def close(self) -> None:
         for s in range(len(self.shards)):

@@ -87,6 +87,14 @@ def finished_spans() -> list[dict]:
     ]
 
 
+def record_child(parent: trace.Span, name: str, start_ns: int, end_ns: int, **attributes) -> None:
+    """A finished span under ``parent`` covering ``start_ns``..``end_ns`` (epoch nanoseconds): work
+    measured as it happened and reported once (the expert pool's share of a request)."""
+    s = tracer().start_span(name, context=trace.set_span_in_context(parent), start_time=start_ns,
+                            attributes={k: v for k, v in attributes.items() if v is not None})
+    s.end(end_time=end_ns)
+
+
 def context_from(carrier: dict[str, str] | None) -> otel_context.Context | None:
     """The context a payload's carrier names (for spans that outlive one `with` block)."""
     return _extract(carrier) if carrier else None

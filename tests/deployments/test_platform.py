@@ -381,6 +381,33 @@ def test_spans_form_ingress_prefill_decode_chain(platform):
     assert root["attributes"]["deltaserve.tenant"] == "alice" and root["attributes"]["deltaserve.pool"] == "standard"
 
 
+def test_expert_pool_hops_have_spans_under_prefill_and_decode(platform):
+    """In pool mode, the prefill and decode spans of a request each get an ``expert-pool`` child: the
+    MoE layer calls sent to the shards while the request ran, their tokens and the time in them."""
+    from ray import serve
+
+    from model.layers.moe import SparseMoE
+
+    moe_layers = sum(isinstance(m, SparseMoE) for m in load_model(MODEL).modules())
+    out = _client(platform, prefix="/pool").completions.create(model="tiny", prompt="trace the pool", max_tokens=4)
+    spans = serve.get_deployment_handle("ingress", app_name="pool-mode").debug_spans.remote().result()
+    root = next(s for s in spans["ingress"] if s["attributes"].get("deltaserve.request_id") == out.id)
+    for kind in ("prefill", "decode"):
+        [hop] = [s for s in spans[f"{kind}-standard"] if s["trace_id"] == root["trace_id"] and s["name"] == kind]
+        [pool] = [s for s in spans[f"{kind}-standard"] if s["trace_id"] == root["trace_id"] and s["name"] == "expert-pool"]
+        assert pool["parent_id"] == hop["span_id"]
+        assert hop["start_ns"] <= pool["start_ns"] <= pool["end_ns"] <= hop["end_ns"]
+        a = pool["attributes"]
+        assert a["deltaserve.expert_pool.transport"] == "direct" and a["deltaserve.expert_pool.shards"] == 2
+        # every step of this request called the pool once per MoE layer
+        assert a["deltaserve.expert_pool.layer_calls"] >= moe_layers and a["deltaserve.expert_pool.layer_calls"] % moe_layers == 0
+        assert a["deltaserve.expert_pool.tokens"] >= a["deltaserve.expert_pool.layer_calls"]
+        assert 0 < a["deltaserve.expert_pool.dispatch_ms"] <= (pool["end_ns"] - pool["start_ns"]) / 1e6
+    # colocated experts: no expert-pool span
+    spans = serve.get_deployment_handle("ingress", app_name="deltaserve").debug_spans.remote().result()
+    assert not [s for k in ("prefill-standard", "decode-standard") for s in spans[k] if s["name"] == "expert-pool"]
+
+
 def test_replicas_change_independently_while_requests_flow(platform):
     from ray import serve
 

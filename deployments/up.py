@@ -135,7 +135,9 @@ def up(args: argparse.Namespace) -> int:
     try:
         config = PlatformConfig.load(args.config)
         updates = {k: v for k, v in {"model": args.model, "http_port": args.http_port, "grpc_port": args.grpc_port,
-                                     "host": args.host, "tenants_file": args.tenants, "expert_mode": args.expert_mode}.items()
+                                     "host": args.host, "tenants_file": args.tenants, "expert_mode": args.expert_mode,
+                                     "expert_transport": args.expert_transport,
+                                     "serve_throughput_optimized": False if args.serve_actor_calls else None}.items()
                    if v is not None}
         config = PlatformConfig.load({**config.model_dump(), **updates}).with_replicas(parse_replicas(args.replicas or []))
         cache_updates = {k: v for k, v in {"redis_url": args.redis_url, "enabled": False if args.no_cache else None}.items()
@@ -202,6 +204,10 @@ def add_up_parser(sub) -> None:
     p.add_argument("--grpc-port", type=int, default=None)
     p.add_argument("--tenants", default=None, help="tenants YAML (created with a dev tenant if missing)")
     p.add_argument("--expert-mode", choices=["colocated", "pool"], default=None)
+    p.add_argument("--expert-transport", choices=["direct", "handle"], default=None,
+                   help="expert pool data plane: direct TCP per shard (default) or Serve handle calls")
+    p.add_argument("--serve-actor-calls", action="store_true",
+                   help="start Ray without Serve's throughput-optimized mode (Ray actor calls between replicas)")
     p.add_argument("--redis-url", default=None, help="the cache's Redis (default $DELTASERVE_REDIS_URL, else a local redis-server is started)")
     p.add_argument("--no-cache", action="store_true", help="run without the prefix/KDA-state cache")
     p.add_argument("--replicas", action="append", metavar="DEPLOYMENT=N", help="e.g. decode-standard=2 (repeatable)")

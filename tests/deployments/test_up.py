@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from cache_service import find_free_port
 
@@ -48,7 +49,10 @@ def _serve_replica_environs(pid: int) -> list[dict[str, str]]:
     return envs
 
 
-def test_deltaserve_up_serves_with_throughput_optimized_serve_and_stops_on_ctrl_c(tmp_path):
+@pytest.mark.parametrize("actor_calls", [False, True], ids=["throughput-optimized", "actor-calls"])
+def test_deltaserve_up_serves_and_stops_on_ctrl_c(tmp_path, actor_calls):
+    """Both Serve modes: gRPC between replicas (the default; the state handoff in the prefill reply) and
+    Ray actor calls (``--serve-actor-calls``; the handoff by object-store reference)."""
     key = "ds-" + secrets.token_hex(16)
     http_port, grpc_port = find_free_port(), find_free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_") and k != "RAY_AUTH_TOKEN_PATH"}
@@ -56,7 +60,8 @@ def test_deltaserve_up_serves_with_throughput_optimized_serve_and_stops_on_ctrl_
                 "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)})
     proc = subprocess.Popen(
         [sys.executable, "-m", "deployments.cli", "up", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-         "--tenants", str(tmp_path / "tenants.yaml"), "--no-cache", "--expert-transport", "direct"],
+         "--tenants", str(tmp_path / "tenants.yaml"), "--no-cache", "--expert-transport", "direct"]
+        + ["--serve-actor-calls"] * actor_calls,
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()
@@ -87,7 +92,10 @@ def test_deltaserve_up_serves_with_throughput_optimized_serve_and_stops_on_ctrl_
         envs = _serve_replica_environs(proc.pid)
         assert envs, "no Serve replica processes found under deltaserve up"
         for e in envs:
-            assert e.get("RAY_SERVE_THROUGHPUT_OPTIMIZED") == "1" and e.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "0"
+            if actor_calls:
+                assert "RAY_SERVE_THROUGHPUT_OPTIMIZED" not in e
+            else:
+                assert e.get("RAY_SERVE_THROUGHPUT_OPTIMIZED") == "1" and e.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "0"
     finally:
         proc.send_signal(signal.SIGINT)
         try:

@@ -58,6 +58,15 @@ class PoolConfig(_Strict):
         return getattr(self, f"{kind}_gather_wait_ms") / 1e3, getattr(self, f"{kind}_gather_gap_ms") / 1e3
 
 
+class ExpertTransportTLS(_Strict):
+    """Mutual TLS on the expert pool's data plane (``deployments/expert_transport.py``): one certificate
+    for every replica, like Ray's own ``RAY_USE_TLS``. Paths as the replicas see them."""
+
+    cert_file: str = Field(description="PEM certificate every replica presents (signed by ca_file)")
+    key_file: str = Field(description="PEM private key of cert_file")
+    ca_file: str = Field(description="PEM CA certificate(s) a peer's certificate must be signed by")
+
+
 class CacheConfig(_Strict):
     """The prefix / KDA-state cache (see docs/cache.md): an in-replica LRU in front of Redis."""
 
@@ -101,6 +110,9 @@ class PlatformConfig(_Strict):
     expert_transport_host: str = Field("127.0.0.1", description="address each expert-pool replica's data plane binds and advertises; '0.0.0.0' binds every interface and advertises the replica's Ray node IP (in Kubernetes: the pod IP)")
     expert_transport_port: int = Field(0, ge=0, le=65535, description="0: an ephemeral port per replica; else shard s listens on this port + s (a fixed range to open in a firewall or a pod spec)")
     expert_transport_timeout_s: float = Field(30.0, gt=0, description="socket timeout of one expert-pool frame (connect, send, reply)")
+    expert_transport_tls: ExpertTransportTLS | None = Field(None, description="mutual TLS on the direct data plane (encrypts "
+                                                            "the frames; needed when expert_transport_host is not 127.0.0.1 "
+                                                            "on a network you do not trust); None: plain TCP, token only")
     num_slots: int = Field(32, gt=0, description="state slots per prefill/decode replica")
     max_model_len: int = Field(8192, gt=0, description="longest prompt + output, tokens")
     replica_num_cpus: float = Field(0.1, gt=0, description="Ray CPUs reserved per replica (fractional: this is one machine)")

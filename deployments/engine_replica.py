@@ -9,7 +9,7 @@ from model.runner import ModelRunner
 
 from . import tracing
 from .config import PlatformConfig
-from .expert_pool import attach_expert_pool
+from .expert_pool import attach_expert_pool, tls_context
 from .replica import load_replica_model, make_cache, replica_id
 
 
@@ -22,7 +22,8 @@ class EngineReplica:
         self.expert_pool = None
         if expert_shards:
             self.expert_pool = attach_expert_pool(model, expert_shards, transport=config.expert_transport,
-                                                  timeout_s=config.expert_transport_timeout_s)
+                                                  timeout_s=config.expert_transport_timeout_s,
+                                                  tls=tls_context(config, server_side=False))
         self.fingerprint = model.config.fingerprint()
         self.engine = Engine(
             ModelRunner(model, num_slots),

@@ -16,6 +16,7 @@ a Serve handle call per layer and shard (``handle``: the reference, and the fall
 from __future__ import annotations
 
 import contextlib
+import ssl
 import threading
 import time
 import weakref
@@ -25,7 +26,8 @@ import torch
 from model.layers.moe import SparseMoE, run_experts
 
 from .config import PlatformConfig
-from .expert_transport import ExpertClient, ExpertEndpoint, ExpertServer, FrameLimits, RemoteExpertError, TransportError
+from .expert_transport import (ExpertClient, ExpertEndpoint, ExpertServer, FrameLimits, RemoteExpertError, TLSFiles,
+                               TransportError)
 from .replica import load_replica_model, replica_id
 
 
@@ -64,7 +66,8 @@ class ExpertShard:
             host = config.expert_transport_host
             port = config.expert_transport_port + shard if config.expert_transport_port else 0
             self.server = ExpertServer(handler, FrameLimits(dim=dim, layers=frozenset(self.layers)), host=host, port=port,
-                                       advertise_host=_advertised_host(host), io_timeout_s=config.expert_transport_timeout_s)
+                                       advertise_host=_advertised_host(host), io_timeout_s=config.expert_transport_timeout_s,
+                                       tls=tls_context(config, server_side=True))
             self._finalizer = weakref.finalize(self, self.server.close)  # also at interpreter exit
 
     def endpoint(self) -> ExpertEndpoint:
@@ -121,6 +124,12 @@ class ExpertShard:
         self.close()
 
 
+def tls_context(config: PlatformConfig, *, server_side: bool) -> ssl.SSLContext | None:
+    """The data plane's TLS context of one side from ``config.expert_transport_tls`` (None: plain TCP)."""
+    t = config.expert_transport_tls
+    return None if t is None else TLSFiles(t.cert_file, t.key_file, t.ca_file).context(server_side)
+
+
 def _advertised_host(host: str) -> str:
     """The address clients dial: ``host``, or this node's IP when binding every interface."""
     if host not in ("0.0.0.0", ""):
@@ -142,10 +151,11 @@ class ExpertPoolClient:
 
     RETRY_DIRECT_AFTER_S = 5.0
 
-    def __init__(self, shards: list, *, transport: str = "direct", timeout_s: float = 30.0) -> None:
+    def __init__(self, shards: list, *, transport: str = "direct", timeout_s: float = 30.0,
+                 tls: ssl.SSLContext | None = None) -> None:
         if transport not in ("direct", "handle"):
             raise ValueError(f"transport must be 'direct' or 'handle', got {transport!r}")
-        self.shards, self.transport, self.timeout_s = shards, transport, timeout_s
+        self.shards, self.transport, self.timeout_s, self.tls = shards, transport, timeout_s, tls
         self._conns: list[ExpertClient | None] = [None] * len(shards)
         self._locks = [threading.Lock() for _ in shards]
         self._down_until = [0.0] * len(shards)
@@ -238,7 +248,7 @@ class ExpertPoolClient:
                 endpoint = self.shards[s].endpoint.remote().result(timeout_s=self.timeout_s)
             except Exception as e:  # Ray raises many types here (replica gone, timeout, no endpoint)
                 raise TransportError(f"cannot resolve expert-pool shard {s}'s endpoint: {type(e).__name__}: {e}") from e
-            self._conns[s] = ExpertClient(endpoint, timeout_s=self.timeout_s)
+            self._conns[s] = ExpertClient(endpoint, timeout_s=self.timeout_s, tls=self.tls)
         return self._conns[s]
 
     def _drop(self, s: int) -> None:
@@ -283,10 +293,11 @@ class RemoteExperts:
         return self.pool.run(self.layer, x, idx, w)
 
 
-def attach_expert_pool(model, shards: list, *, transport: str = "direct", timeout_s: float = 30.0) -> ExpertPoolClient:
+def attach_expert_pool(model, shards: list, *, transport: str = "direct", timeout_s: float = 30.0,
+                       tls: ssl.SSLContext | None = None) -> ExpertPoolClient:
     """Route every MoE layer's experts of ``model`` to the shard deployments (handles); one
     :class:`ExpertPoolClient` (one connection per shard) serves all layers."""
-    pool = ExpertPoolClient(shards, transport=transport, timeout_s=timeout_s)
+    pool = ExpertPoolClient(shards, transport=transport, timeout_s=timeout_s, tls=tls)
     for i, layer in enumerate(model.model.layers):
         moe = getattr(layer, "block_sparse_moe", None)
         if isinstance(moe, SparseMoE):

@@ -15,14 +15,21 @@ A malformed frame (bad magic, version, type, dtype, layer or size) gets an ERROR
 field, then the server closes the connection: the stream cannot be trusted to be in sync.
 An error raised by the handler on a well-formed frame keeps the connection open.
 
+With :class:`TLSFiles` (``PlatformConfig.expert_transport_tls``) every connection is mutual TLS
+before the HELLO: the frames above travel encrypted, and a peer needs a certificate the
+cluster's CA signed as well as the replica's token. A server with TLS takes no plain
+connection and a client with TLS opens none (the endpoint says which the server takes).
+
 Plain classes (sockets and threads), testable without Ray.
 """
 
 from __future__ import annotations
 
 import hmac
+import os
 import secrets
 import socket
+import ssl
 import struct
 import threading
 from dataclasses import dataclass
@@ -62,6 +69,39 @@ class ExpertEndpoint:
     host: str  # address clients connect to
     port: int  # TCP port
     token: str  # per-replica secret, hex (TOKEN_BYTES bytes); sent once per connection
+    tls: bool = False  # the server takes only TLS connections (see TLSFiles)
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    """Mutual TLS for the data plane, as Ray's own ``RAY_USE_TLS``: every replica presents ``cert_file``
+    (with ``key_file``) and takes only peers whose certificate ``ca_file`` signed. Endpoints are IP
+    addresses that move with the replicas, so the peer's name is not checked, only the CA's signature."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+
+    def context(self, server_side: bool) -> ssl.SSLContext:
+        """An SSLContext for one side (TLS 1.2 or later, a peer certificate required); ValueError naming a
+        file that is missing or does not load."""
+        for what, path in (("cert_file", self.cert_file), ("key_file", self.key_file), ("ca_file", self.ca_file)):
+            if not os.path.isfile(path):
+                raise ValueError(f"expert transport TLS {what} {path!r} is not a file")
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server_side else ssl.PROTOCOL_TLS_CLIENT)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        try:
+            ctx.load_cert_chain(self.cert_file, self.key_file)
+        except (ssl.SSLError, OSError) as e:
+            raise ValueError(f"expert transport TLS cert_file {self.cert_file!r} / key_file {self.key_file!r} "
+                             f"do not load: {e}") from e
+        try:
+            ctx.load_verify_locations(self.ca_file)
+        except (ssl.SSLError, OSError) as e:
+            raise ValueError(f"expert transport TLS ca_file {self.ca_file!r} does not load: {e}") from e
+        return ctx
 
 
 @dataclass(frozen=True)
@@ -163,6 +203,10 @@ def _bytes(t: torch.Tensor) -> memoryview:
 def send_all(sock: socket.socket, buffers: list) -> None:
     """Write ``buffers`` in order with scatter-gather sends (no concatenation copy)."""
     views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
+    if isinstance(sock, ssl.SSLSocket):  # no scatter-gather through TLS: one record stream per buffer
+        for v in views:
+            sock.sendall(v)
+        return
     while views:
         sent = sock.sendmsg(views)
         while sent:
@@ -210,13 +254,15 @@ class ExpertServer:
     """
 
     def __init__(self, handler: Handler, limits: FrameLimits, *, host: str = "127.0.0.1", port: int = 0,
-                 advertise_host: str | None = None, token: str | None = None, io_timeout_s: float = 30.0) -> None:
+                 advertise_host: str | None = None, token: str | None = None, io_timeout_s: float = 30.0,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.handler, self.limits, self.io_timeout_s = handler, limits, io_timeout_s
+        self._tls = tls  # server-side context (TLSFiles.context(True)): every connection handshakes first
         self._token = bytes.fromhex(token) if token else secrets.token_bytes(TOKEN_BYTES)
         if len(self._token) != TOKEN_BYTES:
             raise ValueError(f"token must be {TOKEN_BYTES} bytes, got {len(self._token)}")
         self._listener = socket.create_server((host, port))
-        self.endpoint = ExpertEndpoint(advertise_host or host, self._listener.getsockname()[1], self._token.hex())
+        self.endpoint = ExpertEndpoint(advertise_host or host, self._listener.getsockname()[1], self._token.hex(), tls is not None)
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
@@ -256,6 +302,18 @@ class ExpertServer:
         head = bytearray(REQUEST.size)
         try:
             conn.settimeout(self.io_timeout_s)
+            if self._tls is not None:
+                raw = conn
+                try:
+                    conn = self._tls.wrap_socket(raw, server_side=True)
+                except OSError:  # not TLS, or a peer certificate the CA did not sign (SSLError)
+                    self.rejected += 1
+                    return
+                with self._lock:
+                    self._conns.discard(raw)
+                    if self._closed:
+                        return
+                    self._conns.add(conn)
             if not self._hello(conn, head):
                 return
             while True:
@@ -328,14 +386,21 @@ class ExpertClient:
     :meth:`recv`. Any TransportError leaves the connection unusable (:meth:`close` it).
     """
 
-    def __init__(self, endpoint: ExpertEndpoint, *, timeout_s: float = 30.0, max_error_bytes: int = 64 << 10) -> None:
+    def __init__(self, endpoint: ExpertEndpoint, *, timeout_s: float = 30.0, max_error_bytes: int = 64 << 10,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.endpoint, self.max_error_bytes = endpoint, max_error_bytes
         self.lock = threading.Lock()
+        if endpoint.tls != (tls is not None):  # never fall back to plain TCP, and never send to a TLS port in clear
+            raise TransportError(f"{endpoint.host}:{endpoint.port} takes {'only TLS' if endpoint.tls else 'plain TCP'} "
+                                 f"connections but this client has {'no' if tls is None else 'a'} TLS context "
+                                 "(expert_transport_tls must be set on every replica or on none)")
         try:
             self.sock = socket.create_connection((endpoint.host, endpoint.port), timeout=timeout_s)
         except OSError as e:
             raise TransportError(f"cannot connect to {endpoint.host}:{endpoint.port}: {e}") from e
         try:
+            if tls is not None:
+                self.sock = tls.wrap_socket(self.sock)  # client side: verifies the server's certificate against the CA
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             hello = REQUEST.pack(MAGIC, VERSION, MSG_HELLO, 0, TOKEN_BYTES, 0, 0, 0, 0, 0)
             send_all(self.sock, [hello, bytes.fromhex(endpoint.token)])

@@ -35,13 +35,26 @@ static inline float glu_(int32_t act, float beta, float g, float u) {
 /* c[b][:] = sum_r a[b][r] * W[r][:] for the TB rows a[b], W [R, C] row-major, c [TB, ldc]. W is read in
  * order, RB rows at a time (they stay in L1 while every column chunk passes over them), with each chunk's
  * TB x CW accumulators in registers across the block: a cold weight matrix streams from memory once. */
-static void rows_times_matrix(const float *const *a, int64_t R, const float *W, int64_t C, float *c, int64_t ldc) {
+static void rows_times_matrix(const float *const *a, int64_t R, const float *W, int64_t C, float *c, int64_t ldc,
+                              const float *next) {
     for (int b = 0; b < TB; b++)
         for (int64_t j = 0; j < C; j++) c[b * ldc + j] = 0.f;
     for (int64_t r0 = 0; r0 < R; r0 += RB) {
         const int64_t rb = R - r0 < RB ? R - r0 : RB;
         int64_t j0 = 0;
-        for (; j0 + CW <= C; j0 += CW) {
+        /* Software prefetch one block ahead, spread over the block's column chunks (a row is too short for the
+         * hardware prefetcher to ramp up): the next RB rows at this chunk's columns, or during the last block
+         * the start of ``next`` (the matrix read after this one), as many bytes as a block, in order. */
+        const int64_t rn = R - (r0 + RB) < RB ? R - (r0 + RB) : RB;  /* rows of the next block; <= 0: last */
+        for (int64_t k = 0; j0 + CW <= C; j0 += CW, k++) {
+            if (rn > 0) {
+                for (int64_t rr = 0; rr < rn; rr++) {
+                    __builtin_prefetch(W + (r0 + RB + rr) * C + j0, 0, 3);
+                    __builtin_prefetch(W + (r0 + RB + rr) * C + j0 + 16, 0, 3);
+                }
+            } else if (next) {
+                for (int64_t t = 0; t < 2 * RB; t++) __builtin_prefetch(next + (k * 2 * RB + t) * 16, 0, 3);
+            }
             float acc[TB][CW];
             for (int b = 0; b < TB; b++)
                 for (int jj = 0; jj < CW; jj++) acc[b][jj] = c[b * ldc + j0 + jj];
@@ -94,14 +107,17 @@ int moe_experts_f32(
     if (!y) { free(count); free(order); free(h); return -2; }
     for (int64_t e = 0; e < E; e++) {
         const float *W13 = w13 + e * D * I2, *W2 = w2 + e * I * D;
+        int64_t en = e + 1;  /* the next expert with tokens: its W13 is prefetched while W2 of this one runs */
+        while (en < E && count[en + 1] == count[en]) en++;
         for (int64_t s = count[e]; s < count[e + 1]; s += TB) {
             const int64_t nb = count[e + 1] - s < TB ? count[e + 1] - s : TB;
+            const float *nxt = s + TB < count[e + 1] ? W13 : (en < E ? w13 + en * D * I2 : NULL);
             const float *xs[TB], *as[TB];
             for (int64_t b = 0; b < TB; b++) {
                 xs[b] = b < nb ? x + (order[s + b] / K) * x_stride : zeros;
                 as[b] = h + b * I2;
             }
-            rows_times_matrix(xs, D, W13, I2, h, I2);  /* h = x @ W13 */
+            rows_times_matrix(xs, D, W13, I2, h, I2, W2);  /* h = x @ W13 */
             for (int64_t b = 0; b < nb; b++) {  /* activation, in the gate half of h, times the routing weight */
                 float *hb = h + b * I2;
                 const float wt = w[order[s + b]];
@@ -109,7 +125,7 @@ int moe_experts_f32(
             }
             for (int64_t b = nb; b < TB; b++)
                 for (int64_t i = 0; i < I; i++) h[b * I2 + i] = 0.f;
-            rows_times_matrix(as, I, W2, D, y, D);  /* y = a @ W2 (padded rows: zeros, not stored) */
+            rows_times_matrix(as, I, W2, D, y, D, nxt);  /* y = a @ W2 (padded rows: zeros, not stored) */
             for (int64_t b = 0; b < nb; b++) {
                 float *ob = out + (order[s + b] / K) * D;
                 for (int64_t j = 0; j < D; j++) ob[j] += y[b * D + j];

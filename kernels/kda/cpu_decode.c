@@ -97,9 +97,15 @@ int kda_decode_f32(
                 o[j] = sq[j] + qk * u[j];
                 oo += o[j] * o[j];
             }
+            /* the next state this call updates (the next head, or the next sequence's first head: slots need
+             * not be consecutive, so the hardware prefetcher cannot guess it), fetched while this one is
+             * rewritten from L1 */
+            const float *Sn = h + 1 < H ? S + D * D : (n + 1 < N ? state + slots[n + 1] * H * D * D : 0);
             for (int64_t i = 0; i < D; i++) {
                 float *row = S + i * D;
                 const float di = dh[i], ki = kn[i];
+                if (Sn)
+                    for (int64_t j = 0; j < D; j += 16) __builtin_prefetch(Sn + i * D + j, 1, 3);
                 for (int64_t j = 0; j < D; j++) row[j] = di * row[j] + ki * u[j];
             }
             const float ro = 1.0f / sqrtf(oo + eps_sum);

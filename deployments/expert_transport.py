@@ -201,7 +201,8 @@ def _bytes(t: torch.Tensor) -> memoryview:
 
 
 def send_all(sock: socket.socket, buffers: list) -> None:
-    """Write ``buffers`` in order with scatter-gather sends (no concatenation copy)."""
+    """Write ``buffers`` in order: scatter-gather sends on a plain socket (no concatenation copy), one joined
+    write through TLS (an SSLSocket has no ``sendmsg``)."""
     views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
     if isinstance(sock, ssl.SSLSocket):  # no scatter-gather through TLS: one copy, then one write (fewer records)
         sock.sendall(b"".join(views))

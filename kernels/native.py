@@ -38,7 +38,9 @@ _lock = threading.Lock()
 
 
 def enabled() -> bool:
-    """False when ``DELTASERVE_NATIVE_KERNELS`` is 0/false/no/off (the torch paths run instead)."""
+    """False when ``DELTASERVE_NATIVE_KERNELS`` is 0/false/no/off (the torch paths run instead). Read when a
+    library first loads: a :class:`Library` that has loaded keeps its kernels for the process's life (set the
+    variable before the process starts; ``model.layers.fused.NATIVE`` switches the fast paths at run time)."""
     return os.environ.get("DELTASERVE_NATIVE_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
@@ -116,8 +118,10 @@ class Library:
         self._typed: ctypes.CDLL | None = None
 
     def _lib(self) -> ctypes.CDLL | None:
+        if self._typed is not None:  # loaded and typed: the decode step's hot path stops here
+            return self._typed
         lib = load(self.source)
-        if lib is not None and lib is not self._typed:
+        if lib is not None:
             for name, argtypes in self.signatures.items():
                 fn = getattr(lib, name)
                 fn.restype, fn.argtypes = ctypes.c_int, argtypes

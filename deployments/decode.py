@@ -56,8 +56,7 @@ class Decode(EngineReplica):
             outs = self.async_engine.generate(greq, coalesce=True, stream_interval_s=self.stream_interval_s,
                                               resume_state=state, first_token=req.first_token,
                                               replay_ids=p.replay_ids, checkpoint_plan=self.plan if recorder else None)
-            mark = self.expert_pool_mark()
-            try:
+            with self.expert_pool_span(span):
                 async with contextlib.aclosing(outs):
                     async for out in outs:
                         n = out.num_output_tokens
@@ -65,8 +64,6 @@ class Decode(EngineReplica):
                             recorder.add(out.checkpoints)
                         yield DecodeChunk(out.new_text, tuple(out.new_token_ids), out.finished,
                                           out.finish_reason.value if out.finish_reason else None, n, self.replica)
-            finally:
-                self.record_expert_pool_span(span, mark)
         finally:
             span.set_attribute("deltaserve.completion_tokens", n)
             span.end()

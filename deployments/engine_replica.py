@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 from deployments.engine import AsyncEngine, CheckpointPlan, Engine, EngineConfig
 from model.runner import ModelRunner
@@ -44,27 +46,26 @@ class EngineReplica:
             out["expert_pool"] = self.expert_pool.stats()
         return out
 
-    def expert_pool_mark(self) -> tuple[int, dict] | None:
-        """Where the expert-pool client's counters stand now (epoch ns, counters); None when the
-        experts are colocated. Pass it to :meth:`record_expert_pool_span` when the request is done."""
-        return None if self.expert_pool is None else (time.time_ns(), self.expert_pool.stats())
-
-    def record_expert_pool_span(self, parent, mark: tuple[int, dict] | None) -> None:
-        """The expert-pool hop of one request, under its prefill/decode span: from ``mark`` to now,
-        the MoE layer calls this replica sent to the ``expert-pool-<s>`` shards, their tokens and
-        the wall time inside them. Steps are shared by the batch's sequences, so a request's span
-        counts every dispatch made while it was in the replica (the others' tokens too)."""
-        if mark is None:
+    @contextlib.contextmanager
+    def expert_pool_span(self, parent) -> Iterator[None]:
+        """The expert-pool hop of one request, as an ``expert-pool`` span under its prefill/decode span
+        ``parent`` covering the ``with`` block: the MoE layer calls this replica sent to the
+        ``expert-pool-<s>`` shards meanwhile, their tokens and the wall time inside them. Steps are shared
+        by the batch's sequences, so a request's span counts every dispatch made while it was in the
+        replica (the others' tokens too). Nothing when the experts are colocated."""
+        if self.expert_pool is None:
+            yield
             return
-        start_ns, before = mark
-        now = self.expert_pool.stats()
-        tracing.record_child(parent, "expert-pool", start_ns, time.time_ns(), **{
-            "deltaserve.pool": self.pool, "deltaserve.replica": self.replica,
-            "deltaserve.expert_pool.transport": now["transport"], "deltaserve.expert_pool.shards": now["shards"],
-            "deltaserve.expert_pool.layer_calls": now["layer_calls"] - before["layer_calls"],
-            "deltaserve.expert_pool.tokens": now["tokens"] - before["tokens"],
-            "deltaserve.expert_pool.dispatch_ms": round(1e3 * (now["dispatch_s"] - before["dispatch_s"]), 3),
-            "deltaserve.expert_pool.handle_calls": now["handle_calls"] - before["handle_calls"]})
+        start_ns, before = time.time_ns(), self.expert_pool.stats()
+        try:
+            yield
+        finally:
+            now = self.expert_pool.stats()
+            tracing.record_child(parent, "expert-pool", start_ns, time.time_ns(), **{
+                "deltaserve.pool": self.pool, "deltaserve.replica": self.replica,
+                "deltaserve.expert_pool.transport": now["transport"], "deltaserve.expert_pool.shards": now["shards"],
+                **{f"deltaserve.expert_pool.{k}": now[k] - before[k] for k in ("layer_calls", "tokens", "handle_calls")},
+                "deltaserve.expert_pool.dispatch_ms": round(1e3 * (now["dispatch_s"] - before["dispatch_s"]), 3)})
 
     def cache_stats(self) -> dict:
         return {"replica": self.replica, **(self.cache.stats() if self.cache else {"enabled": False})}

@@ -26,8 +26,8 @@ import torch
 from model.layers.moe import SparseMoE, run_experts
 
 from .config import PlatformConfig
-from .expert_transport import (ExpertClient, ExpertEndpoint, ExpertServer, FrameLimits, RemoteExpertError, TLSFiles,
-                               TransportError)
+from .expert_transport import (ExpertClient, ExpertEndpoint, ExpertServer, FrameLimits, RemoteExpertError, TransportError,
+                               ssl_context)
 from .replica import load_replica_model, replica_id
 
 
@@ -127,7 +127,7 @@ class ExpertShard:
 def tls_context(config: PlatformConfig, *, server_side: bool) -> ssl.SSLContext | None:
     """The data plane's TLS context of one side from ``config.expert_transport_tls`` (None: plain TCP)."""
     t = config.expert_transport_tls
-    return None if t is None else TLSFiles(t.cert_file, t.key_file, t.ca_file).context(server_side)
+    return None if t is None else ssl_context(t.cert_file, t.key_file, t.ca_file, server_side=server_side)
 
 
 def _advertised_host(host: str) -> str:

@@ -15,7 +15,7 @@ A malformed frame (bad magic, version, type, dtype, layer or size) gets an ERROR
 field, then the server closes the connection: the stream cannot be trusted to be in sync.
 An error raised by the handler on a well-formed frame keeps the connection open.
 
-With :class:`TLSFiles` (``PlatformConfig.expert_transport_tls``) every connection is mutual TLS
+With :func:`ssl_context` (``PlatformConfig.expert_transport_tls``) every connection is mutual TLS
 before the HELLO: the frames above travel encrypted, and a peer needs a certificate the
 cluster's CA signed as well as the replica's token. A server with TLS takes no plain
 connection and a client with TLS opens none (the endpoint says which the server takes).
@@ -69,39 +69,30 @@ class ExpertEndpoint:
     host: str  # address clients connect to
     port: int  # TCP port
     token: str  # per-replica secret, hex (TOKEN_BYTES bytes); sent once per connection
-    tls: bool = False  # the server takes only TLS connections (see TLSFiles)
+    tls: bool = False  # the server takes only TLS connections (see ssl_context)
 
 
-@dataclass(frozen=True)
-class TLSFiles:
-    """Mutual TLS for the data plane, as Ray's own ``RAY_USE_TLS``: every replica presents ``cert_file``
-    (with ``key_file``) and takes only peers whose certificate ``ca_file`` signed. Endpoints are IP
-    addresses that move with the replicas, so the peer's name is not checked, only the CA's signature."""
-
-    cert_file: str
-    key_file: str
-    ca_file: str
-
-    def context(self, server_side: bool) -> ssl.SSLContext:
-        """An SSLContext for one side (TLS 1.2 or later, a peer certificate required); ValueError naming a
-        file that is missing or does not load."""
-        for what, path in (("cert_file", self.cert_file), ("key_file", self.key_file), ("ca_file", self.ca_file)):
-            if not os.path.isfile(path):
-                raise ValueError(f"expert transport TLS {what} {path!r} is not a file")
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server_side else ssl.PROTOCOL_TLS_CLIENT)
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        ctx.check_hostname = False
-        ctx.verify_mode = ssl.CERT_REQUIRED
-        try:
-            ctx.load_cert_chain(self.cert_file, self.key_file)
-        except (ssl.SSLError, OSError) as e:
-            raise ValueError(f"expert transport TLS cert_file {self.cert_file!r} / key_file {self.key_file!r} "
-                             f"do not load: {e}") from e
-        try:
-            ctx.load_verify_locations(self.ca_file)
-        except (ssl.SSLError, OSError) as e:
-            raise ValueError(f"expert transport TLS ca_file {self.ca_file!r} does not load: {e}") from e
-        return ctx
+def ssl_context(cert_file: str, key_file: str, ca_file: str, *, server_side: bool) -> ssl.SSLContext:
+    """Mutual TLS for one side of the data plane, as Ray's own ``RAY_USE_TLS``: every replica presents
+    ``cert_file`` (with ``key_file``) and takes only peers whose certificate ``ca_file`` signed; TLS 1.2 or
+    later. Endpoints are IP addresses that move with the replicas, so the peer's name is not checked, only
+    the CA's signature. ValueError naming a file that is missing or does not load."""
+    for what, path in (("cert_file", cert_file), ("key_file", key_file), ("ca_file", ca_file)):
+        if not os.path.isfile(path):
+            raise ValueError(f"expert transport TLS {what} {path!r} is not a file")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server_side else ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    try:
+        ctx.load_cert_chain(cert_file, key_file)
+    except (ssl.SSLError, OSError) as e:
+        raise ValueError(f"expert transport TLS cert_file {cert_file!r} / key_file {key_file!r} do not load: {e}") from e
+    try:
+        ctx.load_verify_locations(ca_file)
+    except (ssl.SSLError, OSError) as e:
+        raise ValueError(f"expert transport TLS ca_file {ca_file!r} does not load: {e}") from e
+    return ctx
 
 
 @dataclass(frozen=True)
@@ -257,7 +248,7 @@ class ExpertServer:
                  advertise_host: str | None = None, token: str | None = None, io_timeout_s: float = 30.0,
                  tls: ssl.SSLContext | None = None) -> None:
         self.handler, self.limits, self.io_timeout_s = handler, limits, io_timeout_s
-        self._tls = tls  # server-side context (TLSFiles.context(True)): every connection handshakes first
+        self._tls = tls  # server-side context (ssl_context(..., server_side=True)): every connection handshakes first
         self._token = bytes.fromhex(token) if token else secrets.token_bytes(TOKEN_BYTES)
         if len(self._token) != TOKEN_BYTES:
             raise ValueError(f"token must be {TOKEN_BYTES} bytes, got {len(self._token)}")

@@ -58,16 +58,13 @@ class Prefill(EngineReplica):
             outs = self.async_engine.generate(greq, keep_state_on_finish=True, replay_ids=req.replay_ids,
                                               cached_prefix=hit.state if hit else None,
                                               checkpoint_plan=replace(self.plan, extra=req.checkpoint_at) if recorder else None)
-            mark = self.expert_pool_mark()
-            try:
+            with self.expert_pool_span(span):
                 async with contextlib.aclosing(outs) as outs:
                     async for out in outs:
                         text += out.new_text
                         last = out
                         if recorder is not None:
                             recorder.add(out.checkpoints)
-            finally:
-                self.record_expert_pool_span(span, mark)
             if last is None or not last.finished:
                 raise RuntimeError(f"prefill of {req.request_id} ended without finishing (a bug)")
             stopped = last.finish_reason is not None and last.finish_reason.value == "stop"

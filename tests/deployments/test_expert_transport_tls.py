@@ -20,8 +20,8 @@ from cryptography.x509.oid import NameOID
 
 from deployments.config import ExpertTransportTLS, PlatformConfig
 from deployments.expert_pool import ExpertPoolClient, ExpertShard, tls_context
-from deployments.expert_transport import (MAGIC, MSG_HELLO, REQUEST, TOKEN_BYTES, VERSION, ExpertClient, TLSFiles,
-                                          TransportError, recv_bytes)
+from deployments.expert_transport import (MAGIC, MSG_HELLO, REQUEST, TOKEN_BYTES, VERSION, ExpertClient, TransportError,
+                                          recv_bytes, ssl_context)
 from model import load_model
 from model.layers.moe import run_experts
 
@@ -45,7 +45,7 @@ def _cert(subject: str, key, issuer: str, issuer_key, *, ca: bool) -> x509.Certi
     return b.sign(issuer_key, hashes.SHA256())
 
 
-def _write_pki(d: Path, name: str) -> TLSFiles:
+def _write_pki(d: Path, name: str) -> ExpertTransportTLS:
     """A CA and one replica certificate it signed, as PEM files under ``d``."""
     d.mkdir(parents=True, exist_ok=True)
     ca_key, key = _key(), _key()
@@ -55,7 +55,11 @@ def _write_pki(d: Path, name: str) -> TLSFiles:
     (d / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     (d / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                                   serialization.NoEncryption()))
-    return TLSFiles(str(d / "cert.pem"), str(d / "key.pem"), str(d / "ca.pem"))
+    return ExpertTransportTLS(cert_file=str(d / "cert.pem"), key_file=str(d / "key.pem"), ca_file=str(d / "ca.pem"))
+
+
+def _ctx(cert_file: str, key_file: str, ca_file: str, server_side: bool = False) -> ssl.SSLContext:
+    return ssl_context(cert_file, key_file, ca_file, server_side=server_side)
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +70,7 @@ def pki(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tls_shards(pki):
-    f = pki["cluster"]
-    config = PlatformConfig(model=MODEL, expert_mode="pool", expert_shards=2,
-                            expert_transport_tls=ExpertTransportTLS(cert_file=f.cert_file, key_file=f.key_file, ca_file=f.ca_file))
+    config = PlatformConfig(model=MODEL, expert_mode="pool", expert_shards=2, expert_transport_tls=pki["cluster"])
     out = [ExpertShard(config, s, 2) for s in range(2)]
     yield config, out
     for s in out:
@@ -142,11 +144,11 @@ def test_a_certificate_from_another_ca_is_refused_both_ways(tls_shards, pki):
     endpoint = shards[0].endpoint()
     before, frames = shards[0].server.rejected, shards[0].server.frames
     with pytest.raises(TransportError, match="handshake with 127.0.0.1"):  # the client does not trust the shard's CA
-        ExpertClient(endpoint, tls=pki["other"].context(server_side=False))
+        ExpertClient(endpoint, tls=_ctx(**pki["other"].model_dump()))
     # a client that trusts the cluster's CA but presents another CA's certificate: the shard refuses it
-    mixed = TLSFiles(pki["other"].cert_file, pki["other"].key_file, pki["cluster"].ca_file)
+    mixed = _ctx(pki["other"].cert_file, pki["other"].key_file, pki["cluster"].ca_file)
     with pytest.raises(TransportError):
-        ExpertClient(endpoint, tls=mixed.context(server_side=False)).run(1, *_inputs(1, 2, shard=0, seed=1))
+        ExpertClient(endpoint, tls=mixed).run(1, *_inputs(1, 2, shard=0, seed=1))
     deadline = time.monotonic() + 10  # the server's side of a failed handshake ends in its connection thread
     while shards[0].server.rejected < before + 2 and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -159,7 +161,7 @@ def test_a_tls_client_never_speaks_plain_tcp(pki):
     try:
         assert not shard.endpoint().tls
         with pytest.raises(TransportError, match="takes plain TCP connections but this client has a TLS context"):
-            ExpertClient(shard.endpoint(), tls=pki["cluster"].context(server_side=False))
+            ExpertClient(shard.endpoint(), tls=_ctx(**pki["cluster"].model_dump()))
     finally:
         shard.close()
 
@@ -167,10 +169,10 @@ def test_a_tls_client_never_speaks_plain_tcp(pki):
 def test_bad_tls_files_are_named(pki, tmp_path):
     f = pki["cluster"]
     with pytest.raises(ValueError, match="key_file '/nonexistent/key.pem' is not a file"):
-        TLSFiles(f.cert_file, "/nonexistent/key.pem", f.ca_file).context(server_side=True)
+        _ctx(f.cert_file, "/nonexistent/key.pem", f.ca_file, server_side=True)
     junk = tmp_path / "junk.pem"
     junk.write_text("not a certificate\n")
     with pytest.raises(ValueError, match="ca_file .*junk.pem' does not load"):
-        TLSFiles(f.cert_file, f.key_file, str(junk)).context(server_side=False)
+        _ctx(f.cert_file, f.key_file, str(junk))
     with pytest.raises(ValueError, match="cert_file .*junk.pem' / key_file .* do not load"):
-        TLSFiles(str(junk), f.key_file, f.ca_file).context(server_side=True)
+        _ctx(str(junk), f.key_file, f.ca_file, server_side=True)

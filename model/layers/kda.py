@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.kda import chunk_kda, cpu as kda_cpu, fused_recurrent_kda
-from kernels.kda.cpu import kda_decode_cpu
 
 from ..config import ModelConfig
 from ..state import BatchLayout, StatePool
@@ -253,7 +252,7 @@ class KimiDeltaAttention(nn.Module):
         qkv, gate_in, fa, b = linear_t(x, W).split(split, dim=1)
         if fused.NATIVE and kda_cpu.available():  # everything between the projections and o_proj in one C call
             gate = gate_in if w_gb is None else linear_t(gate_in, w_gb)
-            o = kda_decode_cpu(qkv, pool.conv_state[i], wc, linear_t(fa, w_fb, dt), a_vec, self.lower_bound is None,
+            o = kda_cpu.kda_decode_cpu(qkv, pool.conv_state[i], wc, linear_t(fa, w_fb, dt), a_vec, self.lower_bound is None,
                                b, gate, pool.kda_state[i], layout.slot_index, eps_o * D)
             return linear_t(o, w_o)
 

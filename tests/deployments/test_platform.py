@@ -368,7 +368,8 @@ def test_state_handoff_prefill_to_decode_and_a_lost_reference_is_handoff_lost(pl
 def test_spans_form_ingress_prefill_decode_chain(platform):
     from ray import serve
 
-    out = _client(platform).completions.create(model="tiny", prompt="trace me", max_tokens=3)
+    out = _client(platform).completions.create(model="tiny", prompt="trace me", max_tokens=3, temperature=0,
+                                               extra_body={"ignore_eos": True})  # always reaches decode
     ingress = serve.get_deployment_handle("ingress", app_name="deltaserve")
     spans = ingress.debug_spans.remote().result()
     root = next(s for s in spans["ingress"] if s["name"] == "ingress" and s["attributes"].get("deltaserve.request_id") == out.id)
@@ -389,12 +390,16 @@ def test_expert_pool_hops_have_spans_under_prefill_and_decode(platform):
     from model.layers.moe import SparseMoE
 
     moe_layers = sum(isinstance(m, SparseMoE) for m in load_model(MODEL).modules())
-    out = _client(platform, prefix="/pool").completions.create(model="tiny", prompt="trace the pool", max_tokens=4)
+    # greedy and ignore_eos: the request always reaches decode (a sampled stop token at prefill would end it there)
+    out = _client(platform, prefix="/pool").completions.create(model="tiny", prompt="trace the pool", max_tokens=4,
+                                                               temperature=0, extra_body={"ignore_eos": True})
     spans = serve.get_deployment_handle("ingress", app_name="pool-mode").debug_spans.remote().result()
     root = next(s for s in spans["ingress"] if s["attributes"].get("deltaserve.request_id") == out.id)
     for kind in ("prefill", "decode"):
-        [hop] = [s for s in spans[f"{kind}-standard"] if s["trace_id"] == root["trace_id"] and s["name"] == kind]
-        [pool] = [s for s in spans[f"{kind}-standard"] if s["trace_id"] == root["trace_id"] and s["name"] == "expert-pool"]
+        mine = [s for s in spans[f"{kind}-standard"] if s["trace_id"] == root["trace_id"]]
+        [hop] = [s for s in mine if s["name"] == kind] or [None]
+        assert hop is not None, f"no {kind} span in trace {root['trace_id']}: {[s['name'] for s in mine]}"
+        [pool] = [s for s in mine if s["name"] == "expert-pool"]
         assert pool["parent_id"] == hop["span_id"]
         assert hop["start_ns"] <= pool["start_ns"] <= pool["end_ns"] <= hop["end_ns"]
         a = pool["attributes"]

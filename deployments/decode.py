@@ -55,6 +55,7 @@ class Decode(EngineReplica):
                                      p.stop_token_ids, p.ignore_eos)
             outs = self.async_engine.generate(greq, coalesce=True, stream_interval_s=self.stream_interval_s,
                                               resume_state=state, first_token=req.first_token,
+                                              first_token_reported=True,
                                               replay_ids=p.replay_ids, checkpoint_plan=self.plan if recorder else None)
             with self.expert_pool_span(span):
                 async with contextlib.aclosing(outs):

@@ -171,10 +171,13 @@ class Frontend:
                             if result.text or reason == "length":
                                 yield TextDelta(result.text, (result.first_token,) if reason == "length" else (), request_id, len(ids))
                             break
+                        # the first token goes out now (time to first token = prefill); decode continues after it
+                        t_first = t_first or time.perf_counter()
+                        emitted.append(result.first_token)
+                        n_out, replica = len(emitted), result.replica
+                        yield TextDelta(result.text, (result.first_token,), request_id, len(ids))
                         dreq = DecodeRequest(preq, result.first_token, result.state, carrier, result.handoff_key)
                         async for chunk in self.backend.decode(pool, dreq):
-                            if t_first is None and chunk.token_ids:
-                                t_first = time.perf_counter()
                             n_out, replica = chunk.num_output_tokens, chunk.replica
                             emitted.extend(chunk.token_ids)
                             if chunk.text or chunk.token_ids:

@@ -31,7 +31,8 @@ class PrefillRequest:
 class PrefillResult:
     request_id: str
     first_token: int
-    text: str  # detokenised text of the first token (final only when ``finished``)
+    text: str  # text of the first token: all of it when ``finished``, else what a continuing stream releases (the
+    #           client gets it at once; decode's stream starts after it: Engine.add_request's ``continues``)
     finished: bool  # True when the first token already ends the request (stop or max_tokens == 1)
     finish_reason: str | None
     state: Any  # SequenceState.to_bytes() after the prompt (the direct handoff): bytes, or under Serve a ray.ObjectRef
@@ -46,7 +47,7 @@ class PrefillResult:
 @dataclass(frozen=True, slots=True)
 class DecodeRequest:
     prefill: PrefillRequest
-    first_token: int
+    first_token: int  # already delivered to the client with PrefillResult.text: decode's chunks start after it
     state: Any  # the direct handoff (PrefillResult.state: bytes or an object-store reference), or None with handoff_key
     trace: dict = field(default_factory=dict)
     handoff_key: str | None = None

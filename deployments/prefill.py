@@ -55,7 +55,8 @@ class Prefill(EngineReplica):
             greq = GenerationRequest(req.request_id, list(req.prompt_ids), len(req.replay_ids) + 1, req.sampling, req.stop,
                                      req.stop_token_ids, req.ignore_eos)
             text, last = "", None
-            outs = self.async_engine.generate(greq, keep_state_on_finish=True, replay_ids=req.replay_ids,
+            continues = len(req.replay_ids) + 1 < req.max_tokens  # decode takes over after the first token
+            outs = self.async_engine.generate(greq, keep_state_on_finish=True, continues=continues, replay_ids=req.replay_ids,
                                               cached_prefix=hit.state if hit else None,
                                               checkpoint_plan=replace(self.plan, extra=req.checkpoint_at) if recorder else None)
             with self.expert_pool_span(span):

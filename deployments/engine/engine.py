@@ -89,7 +89,9 @@ class Engine:
         *,
         resume_state: SequenceState | None = None,
         first_token: int | None = None,
+        first_token_reported: bool = False,
         keep_state_on_finish: bool = False,
+        continues: bool = False,
         cached_prefix: SequenceState | None = None,
         replay_ids: list[int] | tuple[int, ...] = (),
         checkpoint_plan: CheckpointPlan | None = None,
@@ -101,6 +103,8 @@ class Engine:
         ``first_token`` is the token the prefill side sampled, reported in this request's
         first output. Only decode steps run for it. A seeded request replays the draw that
         sampled ``first_token``, so its stream continues exactly as on a single engine.
+        ``first_token_reported``: the client already has ``first_token`` and its text (the
+        prefill side's final output, made with ``continues``): outputs start after it.
 
         ``cached_prefix``: the state after the first ``position`` known tokens (from the
         prefix cache, ``position`` < the known tokens); it is restored and only the rest is
@@ -116,6 +120,11 @@ class Engine:
 
         ``keep_state_on_finish``: the final output (stop or length) carries the state after
         the computed tokens, in host memory.
+
+        ``continues``: the request goes on elsewhere after it reaches ``max_tokens`` here (a
+        prefill handoff): that final output releases only the text a continuing stream would
+        (an incomplete character or a possible stop-string prefix stays back), so a decode
+        engine's stream with ``first_token_reported`` follows it without a gap or overlap.
 
         Raises ValueError (naming the value) for a request_id in use (also while its final
         output is still to be reported by :meth:`step`), a prompt longer than
@@ -147,7 +156,7 @@ class Engine:
         if cached_prefix is not None and not 0 < cached_prefix.position < n:
             raise ValueError(f"cached_prefix.position={cached_prefix.position} must be in 1..{n - 1} (request {rid!r})")
         seq = Sequence(req, self.tokenizer, max_model_len=self.config.max_model_len, keep_state_on_finish=keep_state_on_finish,
-                       replay_ids=replay_ids, checkpoint_plan=checkpoint_plan)
+                       replay_ids=replay_ids, checkpoint_plan=checkpoint_plan, continues=continues)
         draws = len(replay_ids) + (resume_state is not None)
         for _ in range(draws if seq.generator is not None else 0):  # a draw consumes the same randomness whatever the logits
             sample(torch.zeros(1, vocab), req.sampling, seq.generator)
@@ -160,6 +169,8 @@ class Engine:
             seq.checkpointed = restored.position // checkpoint_plan.block_size * checkpoint_plan.block_size if checkpoint_plan else restored.position
         if resume_state is not None:
             seq.append_token(first_token)  # type: ignore[arg-type]
+            if first_token_reported and seq.finish_reason is None:
+                seq.take_output()  # the client has it: report nothing of it again
         self._seqs[rid] = seq
         self.scheduler.add(seq)
         if seq.finish_reason is not None:  # the handoff's first token already ends it

@@ -195,8 +195,10 @@ class Sequence:
         keep_state_on_finish: bool = False,
         replay_ids: list[int] | tuple[int, ...] = (),
         checkpoint_plan: CheckpointPlan | None = None,
+        continues: bool = False,
     ) -> None:
         self.request = request
+        self.continues = continues  # max_tokens hands the stream on (Engine.add_request's ``continues``)
         self.status = SequenceStatus.WAITING
         self.slot: int | None = None  # runner slot while RUNNING
         self.host_state: SequenceState | None = None  # state while SWAPPED, or a handoff state before its restore
@@ -288,7 +290,7 @@ class Sequence:
         self.output_ids.append(token)
         at_limit = len(self.output_ids) >= self.request.max_tokens or self.num_tokens >= self.max_model_len
         new = self._detokenizer.push(token)
-        self._extend_text(new + self._detokenizer.flush() if at_limit else new)
+        self._extend_text(new + self._detokenizer.flush() if at_limit and not self.continues else new)
         if self.finish_reason is None and at_limit:
             self._stop(FinishReason.LENGTH)
 
@@ -335,9 +337,11 @@ class Sequence:
         )
 
     def take_output(self, state: SequenceState | None = None) -> RequestOutput:
-        """The tokens and text not reported yet (all of the text once a finish_reason is set)."""
+        """The tokens and text not reported yet (all of the text once a finish_reason is set,
+        except where max_tokens hands the stream on: see ``continues``)."""
         done = self.finish_reason is not None
-        end = len(self.text) if done else len(self.text) - self._held_back()
+        handed_on = self.continues and self.finish_reason is FinishReason.LENGTH
+        end = len(self.text) if done and not handed_on else len(self.text) - self._held_back()
         out = RequestOutput(
             request_id=self.request_id,
             new_token_ids=self.output_ids[self._emitted_tokens :],

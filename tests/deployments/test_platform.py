@@ -248,7 +248,7 @@ def test_stream_interval_batches_tokens_first_chunk_alone_same_tokens(platform, 
         return [len(p.token_ids) for p in parts if p.token_ids]
 
     std, hs = sizes("tiny"), sizes("tiny-highspeed")
-    assert std[0] == hs[0] == 2  # prefill's token and the first decoded one, sent at once on both pools
+    assert std[0] == hs[0] == 1  # prefill's token, sent as soon as prefill returns, on both pools
     assert max(std[1:]) > 1 and len(std) < len(hs), (std, hs)
     assert statistics.median(hs[1:]) == 1, hs  # one token per chunk (a consumer that fell behind may get a merged one)
 
@@ -269,7 +269,7 @@ def test_http_chunks_of_several_tokens_carry_usage_so_far(platform, reference):
         return [b - a for a, b in zip([0] + so_far, so_far)]
 
     std, hs = per_chunk("tiny"), per_chunk("tiny-highspeed")
-    assert std[0] == hs[0] == 2 and sum(std) == sum(hs) == 30
+    assert std[0] == hs[0] == 1 and sum(std) == sum(hs) == 30  # prefill's token alone first
     assert max(std[1:]) > 1 and len(std) < len(hs), (std, hs)
 
 
@@ -334,7 +334,7 @@ def test_state_handoff_prefill_to_decode_and_a_lost_reference_is_handoff_lost(pl
     by_grpc = platform["config"].serve_throughput_optimized
     assert isinstance(res.state, bytes if by_grpc else ray.ObjectRef) and res.handoff_key is None
     chunks = list(dec.options(stream=True).generate.remote(DecodeRequest(req, res.first_token, res.state)))
-    assert [t for c in chunks for t in c.token_ids] == reference("def ref(x):", 6)
+    assert [res.first_token] + [t for c in chunks for t in c.token_ids] == reference("def ref(x):", 6)
 
     @ray.remote(num_cpus=0)
     class Owner:

@@ -300,6 +300,33 @@ def test_streamed_text_equals_decoding_all_tokens(tokens, prompt_ids):
     assert text == ByteTokenizer().decode(tokens)
 
 
+_PIECES = list(b"ab<END>x") + [0xC3, 0xA9, 0xE2, 0x82, 0xAC]  # ASCII, a stop string's bytes, "é" and "€" in UTF-8
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(_PIECES), min_size=2, max_size=30), st.lists(st.integers(0, 255), min_size=1, max_size=6),
+       st.sampled_from([(), ("<END>",), ("ab",), ("é",), ("x<",)]))
+def test_a_handed_on_stream_continues_the_text_exactly(tokens, prompt_ids, stop):
+    """The prefill side's final output (``continues``) then the decode side's outputs after
+    ``first_token`` (reported, so skipped) give the text one sequence streams: an incomplete
+    character or a possible stop-string prefix at the handoff is neither lost nor repeated."""
+    whole = seq_of(stop=stop, max_tokens=len(tokens), ignore_eos=True, prompt_ids=prompt_ids)
+    expected = "".join(feed(whole, tokens))
+    pre = Sequence(GenerationRequest("s", prompt_ids, 1, stop=stop, ignore_eos=True), ByteTokenizer(),
+                   max_model_len=1000, continues=True)
+    pre.append_token(tokens[0])
+    first = pre.take_output()
+    if pre.finish_reason is FinishReason.STOP:  # the first token already ends it: nothing is handed on
+        assert first.new_text == expected and whole.finish_reason is FinishReason.STOP
+        return
+    assert pre.finish_reason is FinishReason.LENGTH and expected.startswith(first.new_text)
+    dec = seq_of(stop=stop, max_tokens=len(tokens), ignore_eos=True, prompt_ids=prompt_ids)
+    dec.append_token(tokens[0])
+    dec.take_output()  # first_token_reported
+    assert first.new_text + "".join(feed(dec, tokens[1:])) == expected
+    assert dec.finish_reason is whole.finish_reason and dec.output_ids == whole.output_ids
+
+
 # -- abort ----------------------------------------------------------------------
 
 def test_abort_waiting_running_and_swapped(model, tok):
@@ -372,6 +399,23 @@ def test_prefill_handoff_through_bytes_resumes_without_prompt_compute(model, tok
     assert outs[0].new_token_ids[0] == first and outs[0].num_cached_tokens == len(ids)
     assert decode.stats.prompt_tokens_computed == 5  # only "other"'s prompt
     assert decode.stats.decode_tokens == (n - 1) + 2
+
+
+def test_handoff_with_the_first_token_reported_by_prefill_streams_the_rest(model, tok):
+    ids, n = prompt(30, 19), 8
+    full = make_engine(model, tok)
+    full.add_request(request("r", ids, n))
+    whole = run(full)["r"]
+    prefill = make_engine(model, tok)
+    prefill.add_request(request("r", ids, 1), keep_state_on_finish=True, continues=True)
+    (final,) = run(prefill)["r"]
+    decode = make_engine(model, tok)
+    decode.add_request(request("r", ids, n), resume_state=final.state, first_token=final.new_token_ids[0],
+                       first_token_reported=True)
+    rest = run(decode)["r"]
+    assert final.new_token_ids + tokens_of(rest) == tokens_of(whole)
+    assert final.new_text + "".join(o.new_text for o in rest) == "".join(o.new_text for o in whole)
+    assert rest[-1].num_output_tokens == n and decode.stats.prompt_tokens_computed == 0
 
 
 def test_handoff_decode_only_replica_computes_no_prompt(model, tok):

@@ -5,7 +5,8 @@ decode replica in pool mode keeps attention, router, shared experts and the late
 projections, and for each MoE layer sends the step's tokens (all sequences of the batch
 together) to every shard owning one of their chosen experts, all shards first, then reads
 the replies, and sums the partial outputs. Weights of experts a shard does not own are zeroed
-on the way, so each token's result equals the colocated path's.
+on the way, so each token's result equals the colocated path's. A shard keeps only its own
+experts' weights (1/S of the routed experts; the rest of the model is dropped after loading).
 
 Serve is the control plane (placement, restarts, ``endpoint()``); the data plane is either a
 persistent TCP connection per shard (``expert_transport: direct``, :mod:`.expert_transport`) or
@@ -38,18 +39,9 @@ class ExpertShard:
     def __init__(self, config: PlatformConfig, shard: int, num_shards: int) -> None:
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard {shard} is outside 0..{num_shards - 1}")
-        model, _ = load_replica_model(config)
         self.shard, self.num_shards = shard, num_shards
-        self.num_experts = model.config.num_experts
-        self.layers: dict[int, torch.nn.ModuleList] = {}  # all experts, by global id
-        self.local: dict[int, torch.nn.ModuleList] = {}  # the owned experts, by local id e // S
-        dim = model.config.hidden_size
-        for i, layer in enumerate(model.model.layers):
-            moe = getattr(layer, "block_sparse_moe", None)
-            if isinstance(moe, SparseMoE):
-                self.layers[i] = moe.experts
-                self.local[i] = torch.nn.ModuleList(moe.experts[e] for e in range(shard, self.num_experts, num_shards))
-                dim = moe.latent or dim
+        # per MoE layer, the owned experts by local id e // S (the rest of the model is freed here)
+        self.local, self.num_experts, dim = _owned_experts(load_replica_model(config)[0], shard, num_shards)
         self.replica = replica_id()
         self._lock = threading.Lock()
         self.counts = {"direct_calls": 0, "handle_calls": 0, "tokens": 0, "compute_s": 0.0}  # compute_s: in run_experts
@@ -65,7 +57,7 @@ class ExpertShard:
 
             host = config.expert_transport_host
             port = config.expert_transport_port + shard if config.expert_transport_port else 0
-            self.server = ExpertServer(handler, FrameLimits(dim=dim, layers=frozenset(self.layers)), host=host, port=port,
+            self.server = ExpertServer(handler, FrameLimits(dim=dim, layers=frozenset(self.local)), host=host, port=port,
                                        advertise_host=_advertised_host(host), io_timeout_s=config.expert_transport_timeout_s,
                                        tls=tls_context(config, server_side=True))
             self._finalizer = weakref.finalize(self, self.server.close)  # also at interpreter exit
@@ -88,21 +80,17 @@ class ExpertShard:
 
     @torch.inference_mode()
     def _run(self, layer: int, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, via: str) -> torch.Tensor:
-        if layer not in self.layers:
-            raise ValueError(f"layer {layer} has no routed experts (MoE layers: {sorted(self.layers)})")
+        if layer not in self.local:
+            raise ValueError(f"layer {layer} has no routed experts (MoE layers: {sorted(self.local)})")
         if idx.numel() and not (0 <= int(idx.min()) and int(idx.max()) < self.num_experts):
             raise ValueError(f"expert ids must be in 0..{self.num_experts - 1}, got {int(idx.min())}..{int(idx.max())}")
         own = (idx % self.num_shards) == self.shard
         if not bool(own.all()):
             raise ValueError(f"shard {self.shard} got tokens routed to experts it does not own")
         t = time.perf_counter()
-        # The [n, k] layout of the colocated call. run_experts picks its path by assignments vs experts
-        # (paths round differently): the owned experts alone (E / S, the batched path computes only
-        # those) when all experts would take the same batched path, else all of them.
-        if 2 * idx.numel() > self.num_experts:
-            out = run_experts(x, idx // self.num_shards, w, self.local[layer])
-        else:
-            out = run_experts(x, idx, w, self.layers[layer])
+        # The [n, k] layout of the colocated call, on the owned experts renumbered e // S; run_experts
+        # picks its path by assignments vs experts (paths round differently) as for the whole layer.
+        out = run_experts(x, idx // self.num_shards, w, self.local[layer], path_experts=self.num_experts)
         with self._lock:
             self.counts[via] += 1
             self.counts["tokens"] += x.shape[0]
@@ -122,6 +110,18 @@ class ExpertShard:
 
     def __del__(self) -> None:  # Serve calls it when the replica shuts down
         self.close()
+
+
+def _owned_experts(model, shard: int, num_shards: int) -> tuple[dict[int, torch.nn.ModuleList], int, int]:
+    """({MoE layer: its experts e with e % S == shard, in order}, experts per layer, the experts' input width)."""
+    num_experts, dim = model.config.num_experts, model.config.hidden_size
+    local = {}
+    for i, layer in enumerate(model.model.layers):
+        moe = getattr(layer, "block_sparse_moe", None)
+        if isinstance(moe, SparseMoE):
+            local[i] = torch.nn.ModuleList(moe.experts[e] for e in range(shard, num_experts, num_shards))
+            dim = moe.latent or dim
+    return local, num_experts, dim
 
 
 def tls_context(config: PlatformConfig, *, server_side: bool) -> ssl.SSLContext | None:

@@ -163,12 +163,14 @@ class Router(nn.Module):
         return idx, w if self.scaling == 1.0 else w * self.scaling
 
 
-def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
+def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts: nn.ModuleList, *,
+                path_experts: int | None = None) -> torch.Tensor:
     """Σ_j w[t,j] · experts[idx[t,j]](x[t]): x [T, D], idx [T, k], w [T, k] fp32 → [T, D] in x's dtype.
 
     On the inference fast path (up to ``PACKED_MAX_ASSIGNMENTS`` assignments): the C kernel
     (:mod:`kernels.moe.cpu`) when it is built, else :func:`run_experts_packed`; otherwise
-    :func:`run_experts_loop`.
+    :func:`run_experts_loop`. ``path_experts``: pick the packed path as for a layer of that many
+    experts (an expert-pool shard holds a renumbered subset and must round as the whole layer does).
     """
     if len(experts) and idx.numel() <= PACKED_MAX_ASSIGNMENTS and fast_path_ok(x):
         packed = packed_experts(experts)
@@ -176,7 +178,7 @@ def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts: nn
             idx, w = idx.contiguous(), w.contiguous()
             w13, w2 = packed.weights(set(idx.view(-1).tolist()))
             return moe_cpu.moe_experts_cpu(x, idx, w, w13, w2, packed.act.native_mode, packed.act.beta)
-        return run_experts_packed(x, idx, w, packed)
+        return run_experts_packed(x, idx, w, packed, path_experts=path_experts)
     return run_experts_loop(x, idx, w, experts)
 
 
@@ -226,14 +228,16 @@ def packed_experts(experts: nn.ModuleList) -> PackedExperts:
     return packed
 
 
-def run_experts_packed(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, packed: PackedExperts) -> torch.Tensor:
+def run_experts_packed(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, packed: PackedExperts, *,
+                       path_experts: int | None = None) -> torch.Tensor:
     """:func:`run_experts_loop` as batched matmuls over :class:`PackedExperts` (fp32, inference).
 
     One token, two experts (batch-1 decode with top-2): both experts' weights as one strided view
     (no copy) and two batched matmuls. A few assignments: one vector-matrix product per (token,
     expert) on views of the weights (gathering them for a batched matmul copies them: measured
     slower). Many: assignments laid out per expert in a padded ``[E, C, D]`` batch (C = most tokens
-    any expert got), every expert in one batched matmul.
+    any expert got), every expert in one batched matmul; "few" and "many" as for ``path_experts``
+    experts (default: the pack's).
     """
     act = packed.act
     E = len(packed.params)
@@ -248,7 +252,7 @@ def run_experts_packed(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, pack
         y = torch.bmm(act.fused(torch.bmm(x.expand(2, -1).unsqueeze(1), pair13)), pair2).view(2, -1)  # rows lo, hi
         return torch.mm(w if e0 <= e1 else w.flip(1), y)
     flat = idx.reshape(-1)  # assignment a = (token a // k, choice a % k)
-    if 2 * A <= E:  # few: one vector-matrix product per assignment, on views of the stacked weights
+    if 2 * A <= (path_experts or E):  # few: one vector-matrix product per assignment, on views of the stacked weights
         chosen = flat.tolist()
         w13, w2 = packed.weights(set(chosen))
         h = torch.cat([torch.mm(x[j // k : j // k + 1], w13[e]) for j, e in enumerate(chosen)])  # [A, 2I]

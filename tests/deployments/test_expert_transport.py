@@ -3,6 +3,7 @@ ExpertShard's server + ExpertClient against `run_experts` on the model's weights
 
 from __future__ import annotations
 
+import gc
 import socket
 
 import pytest
@@ -56,6 +57,20 @@ def _experts(model, layer: int):
 
 def _fields(layer=1, n=3, D=128, k=2, dtypes=(1, 2, 1)):
     return (layer, n, D, k, *dtypes)
+
+
+def test_a_shard_keeps_only_its_own_experts():
+    from model.layers.moe import Expert
+
+    def live_experts() -> int:
+        gc.collect()
+        return sum(isinstance(o, Expert) for o in gc.get_objects())
+
+    before = live_experts()
+    shard = ExpertShard(PlatformConfig(model=MODEL, expert_mode="pool", expert_transport="handle"), 1, 2)
+    n_moe, half = len(shard.local), shard.num_experts // 2
+    assert n_moe == 7 and half == 8 and all(len(m) == half for m in shard.local.values())  # tiny-k3: 7 MoE layers x 16
+    assert live_experts() - before == n_moe * half  # not the other shard's, nor a whole model
 
 
 def test_run_header_round_trip():

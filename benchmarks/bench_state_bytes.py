@@ -5,8 +5,8 @@ states, KDA conv tails and MLA latent caches from the pool's own tensors. ``stat
 exact against real ``SequenceState`` snapshots: after real prefills of a few short lengths (one longer
 than the pool's initial capacity, so the MLA buffers have grown and carry spare rows) and at the full
 128k length on a pool reserved to that size. The serialized size (``len(SequenceState.to_bytes())``) at a
-small length shows what the codec adds: magic + version + header length, the JSON header, and a 16-byte
-blake2b checksum.
+small length shows what the codec adds: magic + version + header length, the JSON header, and a 4-byte
+CRC-32 checksum.
 
 Writes ``benchmarks/results/state_bytes.{json,md,png}``.
 
@@ -29,7 +29,7 @@ from benchmarks.report import write_report  # noqa: E402
 from model import load_model  # noqa: E402
 from model.network import KimiForCausalLM  # noqa: E402
 from model.runner import ModelRunner  # noqa: E402
-from model.state import SequenceState, StatePool  # noqa: E402
+from model.state import CHECKSUM_BYTES, SequenceState, StatePool  # noqa: E402
 
 COMMAND = ".venv/bin/python benchmarks/bench_state_bytes.py"
 CONTEXT = 131072
@@ -49,7 +49,7 @@ def breakdown(pool: StatePool, n: int) -> dict:
 def codec_overhead(data: bytes) -> dict:
     """Split a ``to_bytes`` blob: fixed prefix (magic, version, header length), JSON header, checksum."""
     _, head_len = struct.unpack_from("<HI", data, 4)
-    return {"prefix": 4 + 6, "header": head_len, "checksum": 16}
+    return {"prefix": 4 + 6, "header": head_len, "checksum": CHECKSUM_BYTES}
 
 
 @torch.inference_mode()
@@ -180,7 +180,7 @@ def main() -> None:
         f"buffers carry spare rows that the snapshot and state_bytes both exclude), and of a snapshot of a pool "
         f"reserved to {n:,} tokens; all checks asserted.\n\n- {verdict}\n\n"
         "Serialized snapshots (`SequenceState.to_bytes()`, round-tripped through `from_bytes`) add only a fixed "
-        "prefix (magic, version, header length), the JSON header and a 16-byte checksum:\n\n" + "\n".join(codec_lines)
+        "prefix (magic, version, header length), the JSON header and a 4-byte CRC-32 checksum:\n\n" + "\n".join(codec_lines)
     )
     paths = write_report(
         "state_bytes",

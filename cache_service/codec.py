@@ -1,7 +1,7 @@
 """Byte codec of cache entries: what one Redis value holds, and how it is verified on read.
 
 Two entry kinds, each an :func:`model.state.encode_tensors` blob (magic, version, JSON
-header, raw tensor bytes, blake2b-16 checksum of everything before it):
+header, raw tensor bytes, CRC-32 of everything before it):
 
 - MLA block (magic ``DSMB``): the latent rows of one block for every MLA layer, tensors
   ``mla.{layer}`` of shape ``[block_size, mla_dim]``.

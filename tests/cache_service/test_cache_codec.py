@@ -17,7 +17,7 @@ from cache_service import (
 )
 from model.config import ModelConfig
 from model.presets import preset_config
-from model.state import encode_tensors
+from model.state import CHECKSUM_BYTES, encode_tensors
 
 SMALL = Layout(
     fingerprint="f" * 32,
@@ -105,8 +105,8 @@ def test_every_single_byte_flip_is_detected():
     for blob, decode in blobs.values():
         decode(blob)
         end = header_end(blob)
-        regions = {"magic": range(0, 4), "header": range(4, end), "body": range(end, len(blob) - 16)}
-        regions["checksum"] = range(len(blob) - 16, len(blob))
+        regions = {"magic": range(0, 4), "header": range(4, end), "body": range(end, len(blob) - CHECKSUM_BYTES)}
+        regions["checksum"] = range(len(blob) - CHECKSUM_BYTES, len(blob))
         assert all(len(r) > 0 for r in regions.values())
         for position in range(len(blob)):
             for mask in (0x01, 0x80, 0xFF):
@@ -118,7 +118,7 @@ def test_every_single_byte_flip_is_detected():
 
 def test_truncation_and_extension_are_detected():
     blob = encode_mla_block(SMALL, mla_rows(SMALL, 4))
-    for n in (0, 3, 10, header_end(blob), len(blob) - 17, len(blob) - 1):
+    for n in (0, 3, 10, header_end(blob), len(blob) - CHECKSUM_BYTES - 1, len(blob) - 1):
         with pytest.raises(CorruptEntry):
             decode_mla_block(SMALL, blob[:n], 4)
     with pytest.raises(CorruptEntry, match="checksum"):

@@ -116,19 +116,18 @@ def build_app(args: dict | PlatformConfig | None = None) -> serve.Application:
         _, key = default_dev_tenants(config.tenants_file, os.environ.get("DELTASERVE_API_KEY"))
         if key:
             print(f"deltaserve: created tenant 'dev' in {config.tenants_file}; API key (shown once): {key}", file=sys.stderr)
-    counts = config
     # Replica counts travel as deployment options only: bound arguments that differ would make
     # Serve redeploy every deployment, while a changed num_replicas just scales that one.
-    config = config.model_copy(update={"pools": {name: pc.model_copy(update={"prefill_replicas": 1, "decode_replicas": 1})
-                                                 for name, pc in config.pools.items()}})
+    counts, config = config.replica_counts(), config.without_replica_counts()
     shards = []
     if config.expert_mode == "pool":
-        shards = [serve.deployment(ExpertShard, **_options(config, f"expert-pool-{s}", 1)).bind(config, s, config.expert_shards)
-                  for s in range(config.expert_shards)]
+        shards = [serve.deployment(ExpertShard, **_options(config, name, counts[name])).bind(config, s, config.expert_shards)
+                  for s in range(config.expert_shards) for name in [f"expert-pool-{s}"]]
     prefill, decode = {}, {}
-    for pool, pc in counts.pools.items():
-        prefill[pool] = serve.deployment(Prefill, **_options(config, f"prefill-{pool}", pc.prefill_replicas)).bind(
+    for pool in config.pools:
+        prefill[pool] = serve.deployment(Prefill, **_options(config, f"prefill-{pool}", counts[f"prefill-{pool}"])).bind(
             config, pool, shards or None, object_store_handoff=True)
-        decode[pool] = serve.deployment(Decode, **_options(config, f"decode-{pool}", pc.decode_replicas)).bind(config, pool, shards or None)
+        decode[pool] = serve.deployment(Decode, **_options(config, f"decode-{pool}", counts[f"decode-{pool}"])).bind(
+            config, pool, shards or None)
     admin = serve.deployment(CacheAdmin, **_options(config, "cache-admin", 1)).bind(config, prefill, decode)
     return serve.deployment(IngressASGI, **_options(config, "ingress", 1)).bind(config, prefill, decode, admin)

@@ -110,6 +110,8 @@ class PlatformConfig(_Strict):
     expert_transport_host: str = Field("127.0.0.1", description="address each expert-pool replica's data plane binds and advertises; '0.0.0.0' binds every interface and advertises the replica's Ray node IP (in Kubernetes: the pod IP)")
     expert_transport_port: int = Field(0, ge=0, le=65535, description="0: an ephemeral port per replica; else shard s listens on this port + s (a fixed range to open in a firewall or a pod spec)")
     expert_transport_timeout_s: float = Field(30.0, gt=0, description="socket timeout of one expert-pool frame (connect, send, reply)")
+    expert_pool_replicas: dict[int, int] = Field(default_factory=dict, description="replicas of each expert-pool shard deployment, by shard id (`--replicas expert-pool-0=2`); a shard not named has 1")
+    expert_pool_discovery_s: float = Field(30.0, gt=0, description="how often a prefill/decode replica looks for new replicas of each expert-pool shard; the direct transport spreads MoE layer calls over all it has found, round robin")
     expert_transport_tls: ExpertTransportTLS | None = Field(None, description="mutual TLS on the direct data plane (encrypts "
                                                             "the frames; needed when expert_transport_host is not 127.0.0.1 "
                                                             "on a network you do not trust); None: plain TCP, token only")
@@ -143,6 +145,9 @@ class PlatformConfig(_Strict):
         name = self.public_model_name
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name) or name.endswith(HIGHSPEED_SUFFIX):
             raise ValueError(f"model_name {name!r} is not a valid model id")
+        bad = {s: n for s, n in self.expert_pool_replicas.items() if not 0 <= s < self.expert_shards or n < 1}
+        if bad:
+            raise ValueError(f"expert_pool_replicas {bad}: shard ids must be in 0..{self.expert_shards - 1} and counts >= 1")
         if self.expert_transport_port and self.expert_transport_port + self.expert_shards - 1 > 65535:
             raise ValueError(f"expert_transport_port {self.expert_transport_port} + expert_shards {self.expert_shards} - 1 exceeds 65535")
         return self
@@ -155,17 +160,37 @@ class PlatformConfig(_Strict):
         return self.public_model_name + ("" if pool == "standard" else HIGHSPEED_SUFFIX if pool == "highspeed" else f"-{pool}")
 
     def with_replicas(self, overrides: dict[str, int]) -> "PlatformConfig":
-        """Apply `--replicas decode-standard=2` style overrides (deployment name → count)."""
+        """Apply `--replicas decode-standard=2` style overrides (deployment name → count; also
+        `expert-pool-<s>` in pool mode)."""
         pools = {name: pool.model_dump() for name, pool in self.pools.items()}
+        experts = dict(self.expert_pool_replicas)
+        shards = [f"expert-pool-{s}" for s in range(self.expert_shards)] if self.expert_mode == "pool" else []
         for deployment, count in overrides.items():
             kind, _, pool = deployment.partition("-")
-            if kind not in ("prefill", "decode") or pool not in pools:
-                valid = [f"{k}-{p}" for p in pools for k in ("prefill", "decode")]
+            if (kind not in ("prefill", "decode") or pool not in pools) and deployment not in shards:
+                valid = [f"{k}-{p}" for p in pools for k in ("prefill", "decode")] + shards
                 raise ValueError(f"unknown deployment {deployment!r} in --replicas; valid: {valid}")
             if count < 1:
                 raise ValueError(f"replica count for {deployment} must be >= 1, got {count}")
-            pools[pool][f"{kind}_replicas"] = count
-        return self.model_copy(update={"pools": {k: PoolConfig(**v) for k, v in pools.items()}})
+            if deployment in shards:
+                experts[int(deployment.rsplit("-", 1)[1])] = count
+            else:
+                pools[pool][f"{kind}_replicas"] = count
+        return self.model_copy(update={"pools": {k: PoolConfig(**v) for k, v in pools.items()}, "expert_pool_replicas": experts})
+
+    def replica_counts(self) -> dict[str, int]:
+        """Deployment name → replicas, for every prefill, decode and (in pool mode) expert-pool deployment."""
+        counts = {f"{kind}-{pool}": getattr(pc, f"{kind}_replicas") for pool, pc in self.pools.items()
+                  for kind in ("prefill", "decode")}
+        if self.expert_mode == "pool":
+            counts.update({f"expert-pool-{s}": self.expert_pool_replicas.get(s, 1) for s in range(self.expert_shards)})
+        return counts
+
+    def without_replica_counts(self) -> "PlatformConfig":
+        """The same config with every count at 1: what replicas are bound with (a new count then scales
+        one deployment instead of redeploying all of them)."""
+        return self.model_copy(update={"pools": {name: pc.model_copy(update={"prefill_replicas": 1, "decode_replicas": 1})
+                                                 for name, pc in self.pools.items()}, "expert_pool_replicas": {}})
 
     @classmethod
     def load(cls, source: "str | Path | dict | PlatformConfig | None") -> "PlatformConfig":

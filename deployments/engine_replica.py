@@ -25,7 +25,8 @@ class EngineReplica:
         if expert_shards:
             self.expert_pool = attach_expert_pool(model, expert_shards, transport=config.expert_transport,
                                                   timeout_s=config.expert_transport_timeout_s,
-                                                  tls=tls_context(config, server_side=False))
+                                                  tls=tls_context(config, server_side=False),
+                                                  discovery_s=config.expert_pool_discovery_s)
         self.fingerprint = model.config.fingerprint()
         self.engine = Engine(
             ModelRunner(model, num_slots),

@@ -142,23 +142,34 @@ def _advertised_host(host: str) -> str:
 class ExpertPoolClient:
     """A prefill/decode replica's side of the expert pool: one MoE layer's tokens to the shards.
 
-    ``direct``: one persistent :class:`ExpertClient` per shard, its endpoint resolved once through
-    the shard's handle. A failed connection is re-resolved and retried once; if that fails too, the
-    call goes through the handle (no request is lost) and the shard stays on the handle path for
-    :attr:`RETRY_DIRECT_AFTER_S`. An error the shard raises is raised here, naming shard and layer.
-    Thread-safe: a lock per connection, taken in shard order.
+    ``direct``: persistent :class:`ExpertClient` connections to every replica of each shard it has
+    found, used round robin (one per MoE layer call and shard), so a shard's replicas share the
+    load. Replicas are found through the shard's handle: ``PROBES`` concurrent ``endpoint()`` calls
+    (Serve routes concurrent calls to different replicas) when the shard has no connection, and
+    again every ``discovery_s`` in a background thread, so new replicas join within that time. A
+    connection that fails is dropped and the call is retried once on another (or a newly resolved)
+    replica; if that fails too, the call goes through the handle (no request is lost) and the shard
+    stays on the handle path for :attr:`RETRY_DIRECT_AFTER_S`. An error the shard raises is raised
+    here, naming shard and layer. Thread-safe: each connection's lock is taken in shard order.
     """
 
     RETRY_DIRECT_AFTER_S = 5.0
+    PROBES = 4
 
     def __init__(self, shards: list, *, transport: str = "direct", timeout_s: float = 30.0,
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, discovery_s: float = 30.0) -> None:
         if transport not in ("direct", "handle"):
             raise ValueError(f"transport must be 'direct' or 'handle', got {transport!r}")
+        if not discovery_s > 0:
+            raise ValueError(f"discovery_s must be > 0, got {discovery_s!r}")
         self.shards, self.transport, self.timeout_s, self.tls = shards, transport, timeout_s, tls
-        self._conns: list[ExpertClient | None] = [None] * len(shards)
-        self._locks = [threading.Lock() for _ in shards]
+        self.discovery_s = discovery_s
+        self._conns: list[list[ExpertClient]] = [[] for _ in shards]  # per shard; replaced, never mutated in place
+        self._conns_lock = threading.Lock()  # for replacing a shard's list
+        self._turn = [0] * len(shards)  # round robin over a shard's connections
         self._down_until = [0.0] * len(shards)
+        self._stop = threading.Event()
+        self._discoverer: threading.Thread | None = None
         self._stats_lock = threading.Lock()
         # layer_calls / tokens / dispatch_s: MoE layer calls, the tokens they sent, wall seconds inside run()
         self.counts = {"direct_calls": 0, "handle_calls": 0, "reconnects": 0, "fallbacks": 0,
@@ -191,12 +202,16 @@ class ExpertPoolClient:
 
     def stats(self) -> dict:
         with self._stats_lock:
-            return {"transport": self.transport, "shards": len(self.shards), **self.counts}
+            counts = dict(self.counts)
+        return {"transport": self.transport, "shards": len(self.shards),
+                "replicas": [len(c) for c in self._conns], **counts}
 
     def close(self) -> None:
+        self._stop.set()
         for s in range(len(self.shards)):
-            with self._locks[s]:
-                self._drop(s)
+            for conn in self._conns[s]:
+                with conn.lock:
+                    self._drop(s, conn)
 
     def _direct(self, layer: int, parts: list) -> dict[int, torch.Tensor]:
         """Replies of the shards reachable directly: every frame is sent before any reply is read."""
@@ -204,57 +219,99 @@ class ExpertPoolClient:
         parts = [p for p in parts if self._down_until[p[0]] <= now]
         got: dict[int, torch.Tensor] = {}
         with contextlib.ExitStack() as held:
-            for s, *_ in parts:  # ascending shard order: concurrent callers never wait in a cycle
-                held.enter_context(self._locks[s])
             sent = []
-            for s, _, xs, sub_idx, sub_w in parts:
+            for s, _, xs, sub_idx, sub_w in parts:  # ascending shard order: concurrent callers never wait in a cycle
+                conn = None
                 try:
-                    self._connection(s).send(layer, xs, sub_idx, sub_w)
-                    sent.append((s, xs))
+                    conn = self._pick(s)
+                    held.enter_context(conn.lock)
+                    conn.send(layer, xs, sub_idx, sub_w)
+                    sent.append((s, conn, xs))
                 except TransportError:
-                    self._drop(s)
+                    if conn is not None:
+                        self._drop(s, conn)
             error = None
-            for s, xs in sent:
+            for s, conn, xs in sent:
                 try:
-                    got[s] = self._conns[s].recv(*xs.shape)
+                    got[s] = conn.recv(*xs.shape)
                 except RemoteExpertError as e:  # keep reading the other replies: their connections stay in sync
                     error = error or RemoteExpertError(f"expert-pool shard {s} failed on layer {layer}: {e}")
                 except TransportError:
-                    self._drop(s)
+                    self._drop(s, conn)
             if error is not None:
                 raise error
-            for s, _, xs, sub_idx, sub_w in parts:
-                if s in got:
-                    continue
-                self._drop(s)
-                try:
-                    conn = self._connection(s)  # resolves the endpoint again: the replica may have moved
+        for s, _, xs, sub_idx, sub_w in parts:
+            if s in got:
+                continue
+            conn = None
+            try:  # another replica, or one resolved again: the replica may have moved
+                conn = self._pick(s)
+                with conn.lock:
                     conn.send(layer, xs, sub_idx, sub_w)
                     got[s] = conn.recv(*xs.shape)
-                    self._count("reconnects")
-                except RemoteExpertError as e:
-                    raise RemoteExpertError(f"expert-pool shard {s} failed on layer {layer}: {e}") from None
-                except TransportError:
-                    self._drop(s)
-                    self._down_until[s] = time.monotonic() + self.RETRY_DIRECT_AFTER_S
-                    self._count("fallbacks")
+                self._count("reconnects")
+            except RemoteExpertError as e:
+                raise RemoteExpertError(f"expert-pool shard {s} failed on layer {layer}: {e}") from None
+            except TransportError:
+                if conn is not None:
+                    self._drop(s, conn)
+                self._down_until[s] = time.monotonic() + self.RETRY_DIRECT_AFTER_S
+                self._count("fallbacks")
         self._count("direct_calls", len(got))
         return got
 
-    def _connection(self, s: int) -> ExpertClient:
-        """Shard ``s``'s connection, opened (endpoint resolved through its handle) if there is none."""
-        if self._conns[s] is None:
-            try:
-                endpoint = self.shards[s].endpoint.remote().result(timeout_s=self.timeout_s)
-            except Exception as e:  # Ray raises many types here (replica gone, timeout, no endpoint)
-                raise TransportError(f"cannot resolve expert-pool shard {s}'s endpoint: {type(e).__name__}: {e}") from e
-            self._conns[s] = ExpertClient(endpoint, timeout_s=self.timeout_s, tls=self.tls)
-        return self._conns[s]
+    def _pick(self, s: int) -> ExpertClient:
+        """The next of shard ``s``'s connections (round robin); replicas are resolved if it has none."""
+        conns = self._conns[s] or self._discover(s)
+        self._turn[s] += 1
+        return conns[self._turn[s] % len(conns)]
 
-    def _drop(self, s: int) -> None:
-        conn, self._conns[s] = self._conns[s], None
-        if conn is not None:
-            conn.close()
+    def _discover(self, s: int) -> list[ExpertClient]:
+        """Resolve shard ``s``'s replicas (``PROBES`` concurrent ``endpoint()`` calls) and connect to the
+        new ones; the shard's connections after. TransportError when none can be reached."""
+        with self._conns_lock:
+            if self._discoverer is None and not self._stop.is_set():
+                self._discoverer = threading.Thread(target=self._discover_forever, name="expert-pool-discovery", daemon=True)
+                self._discoverer.start()
+        endpoints, error = [], None
+        for call in [self.shards[s].endpoint.remote() for _ in range(self.PROBES)]:
+            try:
+                endpoints.append(call.result(timeout_s=self.timeout_s))
+            except Exception as e:  # Ray raises many types here (replica gone, timeout, no endpoint)
+                error = e
+        known = {c.endpoint for c in self._conns[s]}
+        fresh = []
+        for endpoint in dict.fromkeys(endpoints):  # distinct, in order
+            if endpoint not in known:
+                try:
+                    fresh.append(ExpertClient(endpoint, timeout_s=self.timeout_s, tls=self.tls))
+                except TransportError as e:
+                    error = e
+        with self._conns_lock:  # another thread may have connected to the same replicas meanwhile
+            known = {c.endpoint for c in self._conns[s]}
+            extra = [c for c in fresh if c.endpoint in known]
+            conns = self._conns[s] = self._conns[s] + [c for c in fresh if c.endpoint not in known]
+        for c in extra:
+            c.close()
+        if not conns:
+            raise TransportError(f"cannot reach any replica of expert-pool shard {s}: "
+                                 f"{type(error).__name__}: {error}") from error
+        return conns
+
+    def _discover_forever(self) -> None:
+        """Background: look for new replicas of the shards in use every ``discovery_s``."""
+        while not self._stop.wait(self.discovery_s):
+            for s in range(len(self.shards)):
+                if self._conns[s]:
+                    try:
+                        self._discover(s)
+                    except TransportError:
+                        pass  # the next round, or the next call's own resolution, tries again
+
+    def _drop(self, s: int, conn: ExpertClient) -> None:
+        with self._conns_lock:
+            self._conns[s] = [c for c in self._conns[s] if c is not conn]
+        conn.close()
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._stats_lock:
@@ -294,10 +351,10 @@ class RemoteExperts:
 
 
 def attach_expert_pool(model, shards: list, *, transport: str = "direct", timeout_s: float = 30.0,
-                       tls: ssl.SSLContext | None = None) -> ExpertPoolClient:
+                       tls: ssl.SSLContext | None = None, discovery_s: float = 30.0) -> ExpertPoolClient:
     """Route every MoE layer's experts of ``model`` to the shard deployments (handles); one
-    :class:`ExpertPoolClient` (one connection per shard) serves all layers."""
-    pool = ExpertPoolClient(shards, transport=transport, timeout_s=timeout_s, tls=tls)
+    :class:`ExpertPoolClient` (connections to every replica of each shard) serves all layers."""
+    pool = ExpertPoolClient(shards, transport=transport, timeout_s=timeout_s, tls=tls, discovery_s=discovery_s)
     for i, layer in enumerate(model.model.layers):
         moe = getattr(layer, "block_sparse_moe", None)
         if isinstance(moe, SparseMoE):

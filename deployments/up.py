@@ -53,11 +53,8 @@ def serve_schema(apps: list[tuple[str, str, PlatformConfig]]):
 
     applications = []
     for name, prefix, config in apps:
-        args = config.model_dump(mode="json")
-        for pool in args["pools"].values():
-            pool["prefill_replicas"] = pool["decode_replicas"] = 1
-        overrides = [{"name": f"{kind}-{pool}", "num_replicas": getattr(pc, f"{kind}_replicas")}
-                     for pool, pc in config.pools.items() for kind in ("prefill", "decode")]
+        args = config.without_replica_counts().model_dump(mode="json")
+        overrides = [{"name": deployment, "num_replicas": n} for deployment, n in config.replica_counts().items()]
         applications.append({"name": name, "route_prefix": prefix, "import_path": "deployments.app:build_app",
                              "args": args, "deployments": overrides})
     return ServeDeploySchema.parse_obj({"applications": applications})
@@ -210,5 +207,6 @@ def add_up_parser(sub) -> None:
                    help="start Ray without Serve's throughput-optimized mode (Ray actor calls between replicas)")
     p.add_argument("--redis-url", default=None, help="the cache's Redis (default $DELTASERVE_REDIS_URL, else a local redis-server is started)")
     p.add_argument("--no-cache", action="store_true", help="run without the prefix/KDA-state cache")
-    p.add_argument("--replicas", action="append", metavar="DEPLOYMENT=N", help="e.g. decode-standard=2 (repeatable)")
+    p.add_argument("--replicas", action="append", metavar="DEPLOYMENT=N",
+                   help="e.g. decode-standard=2, or expert-pool-0=2 with --expert-mode pool (repeatable)")
     p.set_defaults(func=up)

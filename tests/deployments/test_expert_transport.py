@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import gc
 import socket
+import time
 
 import pytest
 import torch
 
 from deployments.config import PlatformConfig
-from deployments.expert_pool import ExpertShard, shard_parts
+from deployments.expert_pool import ExpertPoolClient, ExpertShard, shard_parts
 from deployments.expert_transport import (MAGIC, MSG_HELLO, MSG_RUN, REPLY, REQUEST, VERSION, ExpertClient, ExpertEndpoint,
                                           FrameError, FrameLimits, RemoteExpertError, RunHeader, TransportError, check_run,
                                           parse_reply, parse_request, recv_bytes)
@@ -226,3 +227,73 @@ def test_handle_transport_starts_no_server():
     assert shard.server is None and shard.stats()["transport"] == "handle"
     with pytest.raises(RuntimeError, match="expert_transport 'handle'"):
         shard.endpoint()
+
+
+class _ShardHandle:
+    """A stand-in for one shard deployment's handle over in-process ``replicas`` (``ExpertShard``s of the
+    same shard): ``endpoint()`` answers from each replica in turn, as Serve spreads concurrent calls;
+    ``run()`` from the first."""
+
+    def __init__(self, replicas: list):
+        self.replicas, self.turn = replicas, 0
+
+    def _answer(self, fn):
+        return type("Response", (), {"result": lambda _self, timeout_s=None: fn()})()
+
+    @property
+    def endpoint(self):
+        def remote():
+            replica = self.replicas[self.turn % len(self.replicas)]
+            self.turn += 1
+            return self._answer(replica.endpoint)
+        return type("Method", (), {"remote": staticmethod(remote)})
+
+    @property
+    def run(self):
+        return type("Method", (), {"remote": staticmethod(lambda *a: self._answer(lambda: self.replicas[0].run(*a)))})
+
+
+def test_pool_client_spreads_a_shards_calls_over_its_replicas_and_survives_one_going(shards, model):
+    config = PlatformConfig(model=MODEL, expert_mode="pool", expert_shards=2)
+    second = ExpertShard(config, 0, 2)  # another replica of shard 0
+    replicas = [shards[0], second]
+    pool = ExpertPoolClient([_ShardHandle(replicas), _ShardHandle([shards[1]])], discovery_s=60)
+    try:
+        before = [r.stats()["direct_calls"] for r in replicas]
+        x, idx, w = _inputs(12, 2, None, seed=21)
+        want = _ref(x, idx, w, _experts(model, 4))
+        for _ in range(6):
+            assert torch.equal(pool.run(4, x, idx, w), want)
+        served = [r.stats()["direct_calls"] - b for r, b in zip(replicas, before)]
+        assert served == [3, 3] and pool.stats()["replicas"] == [2, 1]  # round robin over both replicas
+        second.close()  # one replica goes away: its connection fails once, the other replica takes its calls
+        for _ in range(4):
+            assert torch.equal(pool.run(4, x, idx, w), want)
+        stats = pool.stats()
+        assert stats["replicas"] == [1, 1] and stats["reconnects"] == 1
+        assert stats["handle_calls"] == stats["fallbacks"] == 0
+    finally:
+        pool.close()
+        second.close()
+
+
+def test_pool_client_finds_a_new_replica_in_the_background(shards):
+    config = PlatformConfig(model=MODEL, expert_mode="pool", expert_shards=2)
+    handle = _ShardHandle([shards[0]])
+    pool = ExpertPoolClient([handle, _ShardHandle([shards[1]])], discovery_s=0.05)
+    added = ExpertShard(config, 0, 2)
+    try:
+        pool.run(1, *_inputs(4, 2, None, seed=2))
+        assert pool.stats()["replicas"] == [1, 1]
+        handle.replicas.append(added)  # scaled up
+        deadline = time.monotonic() + 10
+        while pool.stats()["replicas"][0] < 2:
+            assert time.monotonic() < deadline, "the new replica was not found"
+            time.sleep(0.02)
+        before = added.stats()["direct_calls"]
+        for _ in range(2):
+            pool.run(1, *_inputs(4, 2, None, seed=3))
+        assert added.stats()["direct_calls"] - before == 1
+    finally:
+        pool.close()
+        added.close()

@@ -46,10 +46,11 @@ def platform(tmp_path_factory):
     # highspeed streams a chunk per token here (default: 20 ms chunks), so the stream-interval tests see both
     hs = config.pools["highspeed"].model_copy(update={"stream_interval_ms": 0})
     config = config.model_copy(update={"pools": {**config.pools, "highspeed": hs}})
-    pool_config = config.model_copy(update={"expert_mode": "pool"})
+    # pool mode looks for new expert-pool replicas every second here (default 30 s)
+    pool_config = config.model_copy(update={"expert_mode": "pool", "expert_pool_discovery_s": 1.0})
     start(config, extra_apps=[("pool-mode", "/pool", pool_config)])
-    yield {"config": config, "alice": alice, "bob": bob, "carol": carol, "http": f"http://127.0.0.1:{config.http_port}",
-           "grpc": f"127.0.0.1:{config.grpc_port}"}
+    yield {"config": config, "pool_config": pool_config, "alice": alice, "bob": bob, "carol": carol,
+           "http": f"http://127.0.0.1:{config.http_port}", "grpc": f"127.0.0.1:{config.grpc_port}"}
     serve.shutdown()
     ray.shutdown()
     env.__exit__(None, None, None)
@@ -433,7 +434,7 @@ def test_replicas_change_independently_while_requests_flow(platform):
     with cf.ThreadPoolExecutor(2) as ex:
         futs = [ex.submit(load) for _ in range(2)]
         deploy([("deltaserve", "/", config.with_replicas({"decode-standard": 2})),
-                ("pool-mode", "/pool", config.model_copy(update={"expert_mode": "pool"}))])
+                ("pool-mode", "/pool", platform["pool_config"])])
         for f in futs:
             f.result()
     assert results and all(r is True for r in results), [r for r in results if r is not True][:3]
@@ -461,3 +462,43 @@ def test_grpc_invalid_argument_and_rate_limit_then_serving_continues(platform):
     assert int(dict(limited.trailing_metadata())["retry-after"]) >= 1
     ok = stub.Generate(pb.GenerateRequest(model="tiny", prompt="x", max_tokens=2, ignore_eos=True), metadata=alice, timeout=60)
     assert ok.usage.completion_tokens == 2
+
+
+def test_a_second_expert_pool_replica_takes_a_share_of_the_direct_calls(platform, reference):
+    """Scaling one shard deployment up while pool mode serves: the prefill/decode replicas' clients find the
+    new replica (background discovery) and send it MoE layer calls round robin; tokens stay the same."""
+    from ray import serve
+
+    from deployments.up import deploy
+
+    def shard0_by_replica() -> dict[str, int]:
+        handle = serve.get_deployment_handle("expert-pool-0", app_name="pool-mode")
+        got = [handle.stats.remote().result() for _ in range(12)]  # Serve spreads them over the replicas
+        return {g["replica"]: g["direct_calls"] for g in got}
+
+    def running(n: int) -> bool:
+        status = serve.status().applications["pool-mode"].deployments["expert-pool-0"]
+        return status.replica_states.get("RUNNING", 0) == n and len(status.replica_states) == 1
+
+    config, pool_config = platform["config"], platform["pool_config"]
+    deploy([("deltaserve", "/", config), ("pool-mode", "/pool", pool_config.with_replicas({"expert-pool-0": 2}))])
+    try:
+        deadline = time.time() + 120
+        while not running(2):
+            assert time.time() < deadline, "expert-pool-0 did not reach 2 replicas"
+            time.sleep(0.5)
+        base = shard0_by_replica()
+        while True:
+            out = _client(platform, prefix="/pool").completions.create(model="tiny", prompt="def two():", max_tokens=6,
+                                                                       temperature=0, extra_body={"ignore_eos": True})
+            assert out.choices[0].text == _text(reference("def two():", 6))
+            now = shard0_by_replica()
+            if len(now) == 2 and all(now[r] > base.get(r, 0) for r in now):
+                break  # both replicas served direct calls
+            assert time.time() < deadline, f"a replica of expert-pool-0 got no direct calls: {base} -> {now}"
+            time.sleep(0.5)
+        _, clients = _pool_stats()
+        for kind, c in clients.items():
+            assert c["replicas"] == [2, 1] and c["handle_calls"] == c["fallbacks"] == 0, (kind, c)
+    finally:
+        deploy([("deltaserve", "/", config), ("pool-mode", "/pool", pool_config)])

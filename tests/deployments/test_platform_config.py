@@ -23,6 +23,22 @@ def test_replica_overrides_change_only_the_named_deployment():
     assert app.args == serve_schema([("deltaserve", "/", PlatformConfig())]).applications[0].args
 
 
+def test_expert_pool_shards_have_their_own_replica_counts():
+    pool = PlatformConfig(expert_mode="pool", expert_shards=2)
+    c = pool.with_replicas(parse_replicas(["expert-pool-1=3", "decode-standard=2"]))
+    assert c.expert_pool_replicas == {1: 3} and c.pools["standard"].decode_replicas == 2
+    assert {k: v for k, v in c.replica_counts().items() if k.startswith("expert")} == {"expert-pool-0": 1, "expert-pool-1": 3}
+    app = serve_schema([("deltaserve", "/", c)]).applications[0]
+    assert {d.name: d.num_replicas for d in app.deployments}["expert-pool-1"] == 3
+    assert app.args == serve_schema([("deltaserve", "/", pool)]).applications[0].args  # a lightweight update
+    with pytest.raises(ValueError, match=r"'expert-pool-2'.*valid: .*'expert-pool-1'\]"):
+        pool.with_replicas({"expert-pool-2": 1})
+    with pytest.raises(ValidationError, match=r"expert_pool_replicas \{5: 1\}: shard ids must be in 0..1"):
+        PlatformConfig(expert_mode="pool", expert_shards=2, expert_pool_replicas={5: 1})
+    with pytest.raises(ValidationError, match=r"\{0: 0\}.*counts >= 1"):
+        PlatformConfig(expert_mode="pool", expert_pool_replicas={0: 0})
+
+
 @pytest.mark.parametrize("items,message", [(["decode-standard"], "NAME=COUNT"), (["decode-standard=x"], "NAME=COUNT")])
 def test_parse_replicas_errors(items, message):
     with pytest.raises(ValueError, match=message):

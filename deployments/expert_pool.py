@@ -274,7 +274,11 @@ class ExpertPoolClient:
                 self._discoverer = threading.Thread(target=self._discover_forever, name="expert-pool-discovery", daemon=True)
                 self._discoverer.start()
         endpoints, error = [], None
-        for call in [self.shards[s].endpoint.remote() for _ in range(self.PROBES)]:
+        try:
+            calls = [self.shards[s].endpoint.remote() for _ in range(self.PROBES)]
+        except Exception as e:  # e.g. Serve shutting down
+            calls, error = [], e
+        for call in calls:
             try:
                 endpoints.append(call.result(timeout_s=self.timeout_s))
             except Exception as e:  # Ray raises many types here (replica gone, timeout, no endpoint)
@@ -289,6 +293,8 @@ class ExpertPoolClient:
                     error = e
         with self._conns_lock:  # another thread may have connected to the same replicas meanwhile
             known = {c.endpoint for c in self._conns[s]}
+            if self._stop.is_set():  # closed meanwhile
+                known = {c.endpoint for c in fresh}
             extra = [c for c in fresh if c.endpoint in known]
             conns = self._conns[s] = self._conns[s] + [c for c in fresh if c.endpoint not in known]
         for c in extra:

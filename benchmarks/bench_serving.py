@@ -17,7 +17,9 @@ a. Serving overhead: aggregate tokens/s of 16 concurrent HTTP streams vs the in-
    pool caps, all 16 added at once) on the same prompts, end to end (prefill included); interleaved runs,
    medians. Also the same request path in-process (``Frontend`` + ``LocalBackend`` with the real ``Prefill``
    and ``Decode`` classes and the state handoff, no Ray, no HTTP), which splits the overhead in two. The HTTP
-   texts must equal the in-process engine's.
+   texts must equal the in-process engine's. Where a wave's time goes: the platform's own spans (kept in
+   memory, ``trace_memory``) stamp when requests reach the ingress and prefill, when prefill returns, when
+   handoffs reach decode and when the decode streams end, next to the in-process engine's first tokens.
 b. Continuous batching: decode tokens/s (steps after every sequence has its first token) at 32 concurrent vs 1
    on the in-process Engine, wall and CPU time, measured before Ray and Serve start (nothing else on the CPU);
    through HTTP too (client side: tokens after each request's first chunk / time from the first first-chunk to
@@ -269,6 +271,7 @@ def engine_run(model, tok, texts: list[str], max_tokens: int, *, max_num_seqs: i
         for tm in timers:
             tm.on = False
     return {"tokens": tokens, "wall_s": wall, "cpu_s": cpu, "tokens_per_s": tokens / wall,
+            "first_tokens_s": wall - dec_wall,  # until every request has its first token (the prefill steps)
             "decode_tokens_per_s": dec_tokens / dec_wall if dec_wall else None,
             "decode_tokens_per_s_cpu": dec_tokens / dec_cpu if dec_cpu else None,
             "decode_steps": dec_steps, "decode_step_ms": 1e3 * dec_wall / dec_steps if dec_steps else None,
@@ -299,6 +302,57 @@ def local_frontend_run(loop, frontend, key: str, texts: list[str], max_tokens: i
     return {"tokens": sum(counts), "wall_s": wall, "tokens_per_s": sum(counts) / wall}
 
 
+_EPOCH = time.time() - time.perf_counter()  # this process's perf_counter stamps -> epoch seconds
+
+# (label, span kind or "client", which stamp, first or last of the wave), in pipeline order
+PHASES = [("requests reach the ingress: first", "ingress", "start_ns", min),
+          ("requests reach the ingress: last", "ingress", "start_ns", max),
+          ("requests reach prefill: last", "prefill", "start_ns", max),
+          ("prefill returns: first", "prefill", "end_ns", min),
+          ("prefill returns: last", "prefill", "end_ns", max),
+          ("handoffs reach decode: last", "decode", "start_ns", max),
+          ("decode streams end: last", "decode", "end_ns", max),
+          ("client has the last chunk", "client", "t_end", max)]
+
+
+def fetch_spans(app: str = "deltaserve") -> dict[str, list[dict]]:
+    """The platform's finished spans (``trace_memory``): the ingress's and one replica of each prefill/decode."""
+    from ray import serve
+
+    return serve.get_deployment_handle("ingress", app_name=app).debug_spans.remote().result()
+
+
+def wave_phases(wave: dict, spans: dict[str, list[dict]], pool: str = "standard") -> dict[str, float] | None:
+    """Where one HTTP wave's time went: the :data:`PHASES` stamps in ms from the first request sent, from
+    the platform's own spans (epoch stamps, comparable across the processes of one machine) and the
+    client's; None when a request's spans are missing."""
+    reqs = wave["requests"]
+    t0 = (min(r["t_send"] for r in reqs) + _EPOCH) * 1e9
+    t1 = (max(r["t_end"] for r in reqs) + _EPOCH) * 1e9
+    ing = [x for x in spans["ingress"] if x["name"] == "ingress" and t0 <= x["start_ns"] <= t1]
+    traces = {x["trace_id"] for x in ing}
+    by = {"ingress": ing,
+          "prefill": [x for x in spans[f"prefill-{pool}"] if x["name"] == "prefill" and x["trace_id"] in traces],
+          "decode": [x for x in spans[f"decode-{pool}"] if x["name"] == "decode" and x["trace_id"] in traces],
+          "client": [{"t_end": (r["t_end"] + _EPOCH) * 1e9} for r in reqs]}
+    if any(len(v) != len(reqs) for v in by.values()):
+        return None
+    return {label: (pick(x[stamp] for x in by[kind]) - t0) / 1e6 for label, kind, stamp, pick in PHASES}
+
+
+def phase_lines(phases: list[dict[str, float]], engine_first_s: float, engine_wall_s: float) -> list[str]:
+    """A markdown table of the median :data:`PHASES` stamps, next to the in-process Engine's."""
+    lines = ["| HTTP wave, ms from the first request sent (median of waves) | ms | step |", "|---|---|---|"]
+    prev = 0.0
+    for label, *_ in PHASES:
+        t = statistics.median(p[label] for p in phases)
+        lines.append(f"| {label} | {t:.0f} | +{t - prev:.0f} |")
+        prev = t
+    lines.append(f"| in-process Engine, same requests: every first token / end | {1e3 * engine_first_s:.0f} / "
+                 f"{1e3 * engine_wall_s:.0f} | |")
+    return lines
+
+
 def decode_stats(app: str, pool: str) -> dict:
     from ray import serve
 
@@ -325,6 +379,8 @@ def print_section_a(a: dict, args) -> None:
         v = statistics.fmean(dct.get(k, 0.0) for dct in a["http_cpu_s_by_component"])
         if v >= 0.005:
             print(f"  {k:45s} {1e3 * v / ntok:6.2f} CPU ms per output token")
+    if a["http_phases_ms"]:
+        print("\n".join(phase_lines(a["http_phases_ms"], a["engine_first_tokens_s"], a["engine_wall_s"])))
     extra = " --no-cache" * args.no_cache + "".join(f" --standard {item}" for item in args.standard)
     print(f"Reproduce: {COMMAND} --only a --reps {args.reps}{extra}")
 
@@ -611,7 +667,7 @@ def main() -> int:
         reg.save(Path(tmp) / "tenants.yaml")
         config = PlatformConfig(model=MODEL, model_name=NAME, tenants_file=str(Path(tmp) / "tenants.yaml"),
                                 http_port=find_free_port(), grpc_port=find_free_port(), num_slots=32, replica_num_cpus=0.05,
-                                torch_threads=1)
+                                torch_threads=1, trace_memory=True)  # spans kept in memory: a's phase timeline
         if args.no_cache:
             config = config.model_copy(update={"cache": config.cache.model_copy(update={"enabled": False})})
         if args.standard:
@@ -666,6 +722,8 @@ def main() -> int:
                 a_local.append(local_frontend_run(loop, frontend, key, p16, M))
                 print(f"a[{rep}] HTTP {a_http[-1]['tokens_per_s']:.0f} tok/s, engine {a_eng[-1]['tokens_per_s']:.0f}, "
                       f"in-process frontend {a_local[-1]['tokens_per_s']:.0f}", flush=True)
+            spans = fetch_spans()
+            a_phases = [p for w in a_http if (p := wave_phases(w, spans)) is not None]
             for replica in (*pre.values(), *dec.values()):
                 loop.run_until_complete(replica.async_engine.shutdown())
             loop.close()
@@ -683,7 +741,10 @@ def main() -> int:
                         "stream_interval_ms": config.pools["standard"].stream_interval_ms,
                         "http_chunks_per_request_p50": pct([r["chunks"] for w in a_http for r in w["requests"]], 50),
                         "http_wall_s": [w["wall_s"] for w in a_http], "engine_cpu_s": [w["cpu_s"] for w in a_eng],
-                        "http_cpu_s_by_component": a_cpu, "tokens_per_wave": a_http[-1]["tokens"]}
+                        "http_cpu_s_by_component": a_cpu, "tokens_per_wave": a_http[-1]["tokens"],
+                        "http_phases_ms": a_phases,
+                        "engine_first_tokens_s": statistics.median(w["first_tokens_s"] for w in a_eng),
+                        "engine_wall_s": statistics.median(w["wall_s"] for w in a_eng)}
             if args.only == "a":
                 print_section_a(res["a"], args)
                 return 0
@@ -800,6 +861,11 @@ def main() -> int:
         f"waves (from /proc; mean of {len(a['http_cpu_s_by_component'])} waves):",
         "",
         *cpu_lines,
+        "",
+        "Where an HTTP wave's time goes, from the platform's own spans (`ingress`, `prefill`, `decode`; kept in "
+        "memory, `trace_memory`) and the client's stamps:",
+        "",
+        *phase_lines(a["http_phases_ms"], a["engine_first_tokens_s"], a["engine_wall_s"]),
         "",
         f"**b.** Engine decode tokens/s: 1 sequence {b['engine_1']:.0f} (step {b['engine_step_ms_1']:.1f} ms), "
         f"32 sequences {b['engine_32']:.0f} (step {b['engine_step_ms_32']:.1f} ms): **{b['ratio']:.2f}x** wall, "

@@ -359,6 +359,12 @@ def decode_stats(app: str, pool: str) -> dict:
     return serve.get_deployment_handle(f"decode-{pool}", app_name=app).stats.remote().result()
 
 
+def step_times(before: dict, after: dict) -> tuple[float | None, float | None]:
+    """A replica's mean step (ms, wall) between two ``stats()``, and the share of it its stepping thread was on a CPU."""
+    steps, wall = after["steps"] - before["steps"], after["step_s"] - before["step_s"]
+    return (1e3 * wall / steps if steps else None), ((after["step_cpu_s"] - before["step_cpu_s"]) / wall if wall else None)
+
+
 def batch_size(before: dict, after: dict) -> float | None:
     steps = after["steps"] - before["steps"]
     return (after["decode_tokens"] - before["decode_tokens"]) / steps if steps else None
@@ -379,6 +385,9 @@ def print_section_a(a: dict, args) -> None:
         v = statistics.fmean(dct.get(k, 0.0) for dct in a["http_cpu_s_by_component"])
         if v >= 0.005:
             print(f"  {k:45s} {1e3 * v / ntok:6.2f} CPU ms per output token")
+    print(f"  decode replica step during the waves: {[r3(x) for x in a['decode_replica_step_ms']]} ms (its thread on a CPU "
+          f"{[r3(x) for x in a['decode_replica_step_cpu_share']]} of it); in-process Engine decode step "
+          f"{[r3(x) for x in a['engine_decode_step_ms']]} ms")
     if a["http_phases_ms"]:
         print("\n".join(phase_lines(a["http_phases_ms"], a["engine_first_tokens_s"], a["engine_wall_s"])))
     extra = " --no-cache" * args.no_cache + "".join(f" --standard {item}" for item in args.standard)
@@ -711,13 +720,15 @@ def main() -> int:
                                 backend=LocalBackend(pre, dec), max_model_len=config.max_model_len)
             loop = asyncio.new_event_loop()
             local_frontend_run(loop, frontend, key, ["def w():\n"] * 2, 8)  # warm-up
-            a_http, a_eng, a_local, a_bs = [], [], [], []
+            a_http, a_eng, a_local, a_bs, a_step = [], [], [], [], []
             a_cpu: list[dict] = []
             for rep in range(args.reps):
                 s0, c0 = decode_stats("deltaserve", "standard"), cpu_by_component()
                 a_http.append(http_wave(base, key, [(NAME, p) for p in p16], M))
                 a_cpu.append(cpu_delta(c0, cpu_by_component()))
-                a_bs.append(batch_size(s0, decode_stats("deltaserve", "standard")))
+                s1 = decode_stats("deltaserve", "standard")
+                a_bs.append(batch_size(s0, s1))
+                a_step.append(step_times(s0, s1))
                 a_eng.append(engine_run(model, tok, p16, M))
                 a_local.append(local_frontend_run(loop, frontend, key, p16, M))
                 print(f"a[{rep}] HTTP {a_http[-1]['tokens_per_s']:.0f} tok/s, engine {a_eng[-1]['tokens_per_s']:.0f}, "
@@ -737,6 +748,8 @@ def main() -> int:
                         "ratio_local": a_local_tps / a_eng_tps, "http_runs": [w["tokens_per_s"] for w in a_http],
                         "engine_runs": [w["tokens_per_s"] for w in a_eng], "local_runs": [w["tokens_per_s"] for w in a_local],
                         "http_texts_equal_engine": f"{same_text}/16", "decode_replica_avg_batch": a_bs,
+                        "decode_replica_step_ms": [x[0] for x in a_step], "decode_replica_step_cpu_share": [x[1] for x in a_step],
+                        "engine_decode_step_ms": [w["decode_step_ms"] for w in a_eng],
                         "http_ttft_p50_s": pct([r["ttft"] for w in a_http for r in w["requests"]], 50),
                         "stream_interval_ms": config.pools["standard"].stream_interval_ms,
                         "http_chunks_per_request_p50": pct([r["chunks"] for w in a_http for r in w["requests"]], 50),
@@ -866,6 +879,11 @@ def main() -> int:
         "memory, `trace_memory`) and the client's stamps:",
         "",
         *phase_lines(a["http_phases_ms"], a["engine_first_tokens_s"], a["engine_wall_s"]),
+        "",
+        f"The decode replica's steps during the HTTP waves took {', '.join(f'{x:.1f}' for x in a['decode_replica_step_ms'] if x)} "
+        f"ms on average (its stepping thread on a CPU for {', '.join(f'{x:.0%}' for x in a['decode_replica_step_cpu_share'] if x)} "
+        f"of that; `EngineStats.step_s` / `step_cpu_s`), the in-process Engine's decode steps "
+        f"{', '.join(f'{x:.1f}' for x in a['engine_decode_step_ms'] if x)} ms.",
         "",
         f"**b.** Engine decode tokens/s: 1 sequence {b['engine_1']:.0f} (step {b['engine_step_ms_1']:.1f} ms), "
         f"32 sequences {b['engine_32']:.0f} (step {b['engine_step_ms_32']:.1f} ms): **{b['ratio']:.2f}x** wall, "

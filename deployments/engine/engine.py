@@ -15,6 +15,7 @@ and never runs the prompt through the model.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,8 @@ class EngineStats:
     restores: int = 0  # states restored into a slot: swapped-out sequences and handoff states
     finished: int = 0  # requests finished by stop or length
     aborted: int = 0  # requests finished by abort
+    step_s: float = 0.0  # wall seconds inside steps that ran a forward (schedule, forward, sampling)
+    step_cpu_s: float = 0.0  # CPU seconds of the stepping thread in them (less than step_s: preempted or waiting)
 
 
 class Engine:
@@ -188,11 +191,14 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, apply stop conditions: the outputs of requests
         that sampled a token or finished (including those aborted since the last step)."""
+        t, c = time.perf_counter(), time.thread_time()
         outputs, self._outputs = self._outputs, []
         batch = self.scheduler.schedule()
         if batch is not None:
             logits = self.runner.step(batch.slots, batch.token_chunks)
             outputs += self._postprocess(batch, logits)
+            self.stats.step_s += time.perf_counter() - t
+            self.stats.step_cpu_s += time.thread_time() - c
         return outputs
 
     def has_unfinished(self) -> bool:

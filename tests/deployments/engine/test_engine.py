@@ -149,6 +149,16 @@ def test_single_request_matches_generate(model, tok):
     assert engine.stats.prompt_tokens_computed == 24 and engine.stats.decode_tokens == 7
 
 
+def test_stats_time_the_steps_that_ran_a_forward(model, tok):
+    engine = make_engine(model, tok)
+    engine.add_request(request("r", prompt(9, 3), 4))
+    run(engine)
+    st = engine.stats
+    assert st.steps == 4 and st.step_s > 0 and 0 < st.step_cpu_s <= st.step_s * 1.05 + 1e-3
+    before = (st.step_s, st.step_cpu_s)
+    assert engine.step() == [] and (st.step_s, st.step_cpu_s) == before  # nothing to run: not a step
+
+
 def test_concurrent_requests_join_and_leave_and_match_generate(model, tok):
     lengths = [1, 5, 17, 33, 64, 90, 120, 150]
     max_tokens = [9, 3, 12, 6, 1, 10, 4, 7]

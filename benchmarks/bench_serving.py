@@ -543,15 +543,22 @@ def expert_pool_in_process(model, tok, texts: list[str], n_dec: int, app: str, n
     return out
 
 
-def expert_pool_http(base: str, key: str, texts: list[str], max_tokens: int, colocated: dict) -> dict:
-    """Section d through HTTP: 32 streams on ``/pool`` (direct transport) vs the colocated wave ``colocated``."""
-    hp = http_wave(base + "/pool", key, [(NAME, p) for p in texts], max_tokens)
-    out = {"colocated": colocated["decode_tokens_per_s"], "pool": hp["decode_tokens_per_s"],
-           "ratio": hp["decode_tokens_per_s"] / colocated["decode_tokens_per_s"],
-           "colocated_end_to_end": colocated["tokens_per_s"], "pool_end_to_end": hp["tokens_per_s"],
-           "pool_texts_equal_colocated": sum(a["text"] == b["text"] for a, b in zip(hp["requests"], colocated["requests"]))}
-    print(f"d HTTP decode tok/s at 32: colocated {out['colocated']:.0f}, pool (direct) {out['pool']:.0f} "
-          f"({out['ratio']:.2f}x)", flush=True)
+def expert_pool_http(base: str, key: str, texts: list[str], max_tokens: int, colocated: dict, reps: int = 2) -> dict:
+    """Section d through HTTP: 32 streams on ``/pool`` (direct transport) vs on ``/`` (colocated), ``reps``
+    interleaved pairs (the first colocated wave is ``colocated``), medians of decode tokens/s."""
+    col, pool = [colocated], []
+    for rep in range(reps):
+        if rep:
+            col.append(http_wave(base, key, [(NAME, p) for p in texts], max_tokens))
+        pool.append(http_wave(base + "/pool", key, [(NAME, p) for p in texts], max_tokens))
+    c, p = statistics.median(w["decode_tokens_per_s"] for w in col), statistics.median(w["decode_tokens_per_s"] for w in pool)
+    out = {"colocated": c, "pool": p, "ratio": p / c, "colocated_runs": [w["decode_tokens_per_s"] for w in col],
+           "pool_runs": [w["decode_tokens_per_s"] for w in pool],
+           "colocated_end_to_end": statistics.median(w["tokens_per_s"] for w in col),
+           "pool_end_to_end": statistics.median(w["tokens_per_s"] for w in pool),
+           "pool_texts_equal_colocated": sum(a["text"] == b["text"] for a, b in zip(pool[-1]["requests"], col[-1]["requests"]))}
+    print(f"d HTTP decode tok/s at 32: colocated {[round(x) for x in out['colocated_runs']]}, pool (direct) "
+          f"{[round(x) for x in out['pool_runs']]} ({out['ratio']:.2f}x)", flush=True)
     return out
 
 
@@ -603,7 +610,9 @@ def expert_pool_notes(d: dict, dh: dict | None) -> list[str]:
         f"**d.** Expert pool vs colocated at 32 concurrent, in-process Engine using the real `expert-pool-0/1` Serve "
         f"deployments: direct transport **{d['direct']['ratio']:.2f}** (target >= 0.5), handle transport "
         f"{d['handle']['ratio']:.2f}"
-        + (f"; through HTTP (`/pool`, direct, vs `/`): **{dh['ratio']:.2f}** (texts equal: {dh['pool_texts_equal_colocated']}/32)"
+        + (f"; through HTTP (`/pool`, direct, vs `/`, medians of {len(dh['pool_runs'])} interleaved pairs of waves: pool "
+           f"{[round(x) for x in dh['pool_runs']]}, colocated {[round(x) for x in dh['colocated_runs']]} decode tokens/s): "
+           f"**{dh['ratio']:.2f}** (texts equal: {dh['pool_texts_equal_colocated']}/32)"
            if dh else "") + ". Where the time goes:",
         "",
         *step_lines,

@@ -272,9 +272,9 @@ def decode_tensors(data: bytes, magic: bytes, *, what: str = "blob") -> tuple[di
     return header, tensors
 
 
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
+def _tensor_bytes(t: torch.Tensor) -> memoryview | bytes:
     """The tensor's raw bytes, without a copy when it is a contiguous CPU tensor."""
     t = t.detach().contiguous().cpu()
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
-    return memoryview(t.numpy()).cast("B")
+    return memoryview(t.numpy().reshape(-1)).cast("B") if t.numel() else b""

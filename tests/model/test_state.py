@@ -1,5 +1,7 @@
 """Snapshot at any position → bytes → restore in a fresh runner → continue, identical."""
 
+import json
+
 import pytest
 import torch
 
@@ -62,3 +64,17 @@ def test_corrupt_truncated_or_foreign_snapshots_are_rejected(model):
     other = load_model("tiny-linear")
     with pytest.raises(ValueError, match="snapshot is for model"):
         ModelRunner(other, 1).restore(0, SequenceState.from_bytes(bytes(blob)))
+
+
+def test_codec_round_trips_empty_strided_and_half_tensors_exactly():
+    from model.state import CHECKSUM_BYTES, decode_tensors, encode_tensors
+
+    tensors = [("empty", torch.zeros(0, 96)), ("strided", torch.arange(6.0).view(2, 3).t()),
+               ("bf16", torch.tensor([1.5, -2.25, 3e-3], dtype=torch.bfloat16)), ("fp16", torch.arange(4, dtype=torch.float16))]
+    blob = encode_tensors(b"TEST", {"k": 1}, tensors)
+    header, out = decode_tensors(blob, b"TEST")
+    assert header["k"] == 1 and [n for n, _ in out] == [n for n, _ in tensors]
+    for (_, want), (_, got) in zip(tensors, out):
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+    body = sum(t.numel() * t.element_size() for _, t in tensors)
+    assert len(blob) == 4 + 6 + len(json.dumps(header, separators=(",", ":"))) + body + CHECKSUM_BYTES

@@ -85,8 +85,9 @@ def serve_env(config: PlatformConfig) -> dict[str, str]:
 
     Throughput-optimized Serve (a documented mode since Ray 2.55) sends requests and streamed
     items between replicas over gRPC instead of Ray actor calls and runs user code on each
-    replica's own event loop: 16 HTTP streams reach 0.70 of the in-process engine's tokens/s
-    instead of 0.61 (benchmarks/results/serving.md, a). Direct ingress (the ingress replica
+    replica's own event loop: when it was introduced, 16 HTTP streams went from 0.61 of the
+    in-process engine's tokens/s (actor calls, ``--serve-actor-calls``) to about 0.7 in
+    interleaved runs; benchmarks/bench_serving.py measures this mode. Direct ingress (the ingress replica
     serving HTTP itself, behind HAProxy) stays off: HAProxy binds its stats and metrics ports
     on every interface. The router keeps its own loop, so handles also work from threads
     (the expert pool's handle transport, the CLI).

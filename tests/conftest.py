@@ -59,3 +59,27 @@ def local_ray_env():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+class ShardHandle:
+    """A stand-in for one expert-pool shard deployment's handle over in-process ``replicas``
+    (``ExpertShard``s of that shard), answering ``.remote(...).result()`` as a Serve handle does:
+    ``endpoint()`` from each replica in turn (as Serve spreads concurrent calls), ``run()`` from the first."""
+
+    def __init__(self, replicas: list):
+        self.replicas, self.turn = replicas, 0
+
+    def _answer(self, fn):
+        return type("Response", (), {"result": lambda _self, timeout_s=None: fn()})()
+
+    @property
+    def endpoint(self):
+        def remote():
+            replica = self.replicas[self.turn % len(self.replicas)]
+            self.turn += 1
+            return self._answer(replica.endpoint)
+        return type("Method", (), {"remote": staticmethod(remote)})
+
+    @property
+    def run(self):
+        return type("Method", (), {"remote": staticmethod(lambda *a: self._answer(lambda: self.replicas[0].run(*a)))})

@@ -17,6 +17,7 @@ from deployments.expert_transport import (MAGIC, MSG_HELLO, MSG_RUN, REPLY, REQU
                                           parse_reply, parse_request, recv_bytes)
 from model import load_model
 from model.layers.moe import run_experts
+from tests.conftest import ShardHandle
 
 MODEL = "tiny-k3"
 LIMITS = FrameLimits(dim=128, layers=frozenset({1, 2}), max_k=8, max_frame_bytes=1 << 20)
@@ -229,35 +230,11 @@ def test_handle_transport_starts_no_server():
         shard.endpoint()
 
 
-class _ShardHandle:
-    """A stand-in for one shard deployment's handle over in-process ``replicas`` (``ExpertShard``s of the
-    same shard): ``endpoint()`` answers from each replica in turn, as Serve spreads concurrent calls;
-    ``run()`` from the first."""
-
-    def __init__(self, replicas: list):
-        self.replicas, self.turn = replicas, 0
-
-    def _answer(self, fn):
-        return type("Response", (), {"result": lambda _self, timeout_s=None: fn()})()
-
-    @property
-    def endpoint(self):
-        def remote():
-            replica = self.replicas[self.turn % len(self.replicas)]
-            self.turn += 1
-            return self._answer(replica.endpoint)
-        return type("Method", (), {"remote": staticmethod(remote)})
-
-    @property
-    def run(self):
-        return type("Method", (), {"remote": staticmethod(lambda *a: self._answer(lambda: self.replicas[0].run(*a)))})
-
-
 def test_pool_client_spreads_a_shards_calls_over_its_replicas_and_survives_one_going(shards, model):
     config = PlatformConfig(model=MODEL, expert_mode="pool", expert_shards=2)
     second = ExpertShard(config, 0, 2)  # another replica of shard 0
     replicas = [shards[0], second]
-    pool = ExpertPoolClient([_ShardHandle(replicas), _ShardHandle([shards[1]])], discovery_s=60)
+    pool = ExpertPoolClient([ShardHandle(replicas), ShardHandle([shards[1]])], discovery_s=60)
     try:
         before = [r.stats()["direct_calls"] for r in replicas]
         x, idx, w = _inputs(12, 2, None, seed=21)
@@ -279,8 +256,8 @@ def test_pool_client_spreads_a_shards_calls_over_its_replicas_and_survives_one_g
 
 def test_pool_client_finds_a_new_replica_in_the_background(shards):
     config = PlatformConfig(model=MODEL, expert_mode="pool", expert_shards=2)
-    handle = _ShardHandle([shards[0]])
-    pool = ExpertPoolClient([handle, _ShardHandle([shards[1]])], discovery_s=0.05)
+    handle = ShardHandle([shards[0]])
+    pool = ExpertPoolClient([handle, ShardHandle([shards[1]])], discovery_s=0.05)
     added = ExpertShard(config, 0, 2)
     try:
         pool.run(1, *_inputs(4, 2, None, seed=2))

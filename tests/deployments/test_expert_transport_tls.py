@@ -24,6 +24,7 @@ from deployments.expert_transport import (MAGIC, MSG_HELLO, REQUEST, TOKEN_BYTES
                                           recv_bytes, ssl_context)
 from model import load_model
 from model.layers.moe import run_experts
+from tests.conftest import ShardHandle
 
 MODEL = "tiny-k3"
 
@@ -101,19 +102,10 @@ def test_tls_run_equals_run_experts_exactly(tls_shards):
 
 
 def test_pool_client_over_tls_uses_the_direct_path(tls_shards):
-    """ExpertPoolClient with the shards' handles replaced by the shard objects themselves (endpoint() and run()
-    answer like a handle's .remote().result()): every call goes over TLS, none falls back."""
-
-    class Handle:
-        def __init__(self, shard):
-            self.shard = shard
-
-        def __getattr__(self, name):
-            fn = getattr(self.shard, name)
-            return type("M", (), {"remote": staticmethod(lambda *a: type("R", (), {"result": lambda self, timeout_s=None: fn(*a)})())})
-
+    """ExpertPoolClient over in-process shards behind stand-in handles (``ShardHandle``): every call goes
+    over TLS, none falls back."""
     config, shards = tls_shards
-    pool = ExpertPoolClient([Handle(s) for s in shards], tls=tls_context(config, server_side=False))
+    pool = ExpertPoolClient([ShardHandle([s]) for s in shards], tls=tls_context(config, server_side=False))
     x, idx, w = _inputs(16, 2, shard=0, seed=3)
     idx = torch.randint(0, 16, idx.shape, generator=torch.Generator().manual_seed(5))
     experts = load_model(MODEL).model.layers[2].block_sparse_moe.experts

@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.report import write_report  # noqa: E402
 from cache_service.redis_server import LocalRedisServer  # noqa: E402
 from deployments.config import PlatformConfig  # noqa: E402
-from deployments.messages import PrefillRequest  # noqa: E402
-from deployments.prefill import Prefill  # noqa: E402
+from deployments.workers.messages import PrefillRequest  # noqa: E402
+from deployments.workers.prefill import Prefill  # noqa: E402
 from model.runner import SamplingParams  # noqa: E402
 
 COMMAND = ".venv/bin/python benchmarks/bench_cache_resume.py"

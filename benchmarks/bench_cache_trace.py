@@ -37,14 +37,14 @@ from benchmarks.bench_cache_resume import corpus_tokens  # noqa: E402
 from benchmarks.report import write_report  # noqa: E402
 from cache_service.redis_server import LocalRedisServer  # noqa: E402
 from cache_service.store import RedisStore  # noqa: E402
-from deployments.api import ChatMessage, CompletionInput, Finished  # noqa: E402
+from deployments.gateway.protocol import ChatMessage, CompletionInput, Finished  # noqa: E402
 from deployments.config import PlatformConfig  # noqa: E402
-from deployments.decode import Decode  # noqa: E402
-from deployments.frontend import Frontend  # noqa: E402
-from deployments.local import LocalBackend  # noqa: E402
-from deployments.messages import PrefillRequest  # noqa: E402
-from deployments.prefill import Prefill  # noqa: E402
-from deployments.tenants import TenantRegistry  # noqa: E402
+from deployments.workers.decode import Decode  # noqa: E402
+from deployments.gateway.frontend import Frontend  # noqa: E402
+from deployments.workers.local import LocalBackend  # noqa: E402
+from deployments.workers.messages import PrefillRequest  # noqa: E402
+from deployments.workers.prefill import Prefill  # noqa: E402
+from deployments.tenancy import TenantRegistry  # noqa: E402
 from model import load_tokenizer  # noqa: E402
 from model.runner import SamplingParams  # noqa: E402
 from model.state import SequenceState  # noqa: E402

@@ -27,8 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.report import write_report  # noqa: E402
 from deployments.config import ExpertTransportTLS, PlatformConfig  # noqa: E402
-from deployments.expert_pool import ExpertShard, tls_context  # noqa: E402
-from deployments.expert_transport import ExpertClient, ExpertServer, FrameLimits  # noqa: E402
+from deployments.experts.shard import ExpertShard  # noqa: E402
+from deployments.experts.transport import tls_context  # noqa: E402
+from deployments.experts.transport import ExpertClient, ExpertServer, FrameLimits  # noqa: E402
 
 COMMAND = ".venv/bin/python benchmarks/bench_expert_transport.py"
 MODEL = "tiny-k3"

@@ -1,6 +1,6 @@
 """The served platform (real Ray Serve, tiny-k3) side by side with the in-process engine.
 
-One run starts a local Ray + Serve (``deployments.up.start``) with two applications:
+One run starts a local Ray + Serve (``deployments.cli.up.start``) with two applications:
 
 * ``deltaserve`` at ``/``: both pools, experts colocated (the default ``PlatformConfig`` pools: standard
   ``max_num_seqs=32``, highspeed ``max_num_seqs=4``);
@@ -335,7 +335,7 @@ def local_frontend_run(loop, frontend, key: str, texts: list[str], max_tokens: i
     """The platform's request path in-process: Frontend -> LocalBackend (Prefill, handoff, Decode).
 
     ``loop``: one event loop for every call (each AsyncEngine binds its step loop to the first loop it runs on)."""
-    from deployments.api import CompletionInput, Finished
+    from deployments.gateway.protocol import CompletionInput, Finished
 
     async def one(prompt):
         inp = CompletionInput(model=NAME, prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -475,8 +475,8 @@ def expert_pool_in_process(model, tok, texts: list[str], n_dec: int, app: str, n
     (their ``compute_s``) and transport + split/merge; 1-token round trips of each transport."""
     from ray import serve
 
-    from deployments.expert_pool import attach_expert_pool
-    from deployments.expert_transport import ExpertClient
+    from deployments.experts.client import attach_expert_pool
+    from deployments.experts.transport import ExpertClient
 
     shards = [serve.get_deployment_handle(f"expert-pool-{s}", app_name=app) for s in range(num_shards)]
     layer_id = next(i for i, l in enumerate(model.model.layers) if hasattr(l, "block_sparse_moe"))
@@ -637,8 +637,8 @@ def main_expert_pool_only(args) -> int:
     from ray import serve
 
     from deployments.config import PlatformConfig
-    from deployments.tenants import TenantRegistry
-    from deployments.up import start
+    from deployments.tenancy import TenantRegistry
+    from deployments.cli.up import start
     from tests.conftest import local_ray_env
 
     t_start = time.perf_counter()
@@ -723,12 +723,12 @@ def main() -> int:
 
     from deployments.app import build_app
     from deployments.config import PlatformConfig, PoolConfig
-    from deployments.decode import Decode
-    from deployments.frontend import Frontend
-    from deployments.local import LocalBackend
-    from deployments.prefill import Prefill
-    from deployments.tenants import TenantRegistry
-    from deployments.up import start
+    from deployments.workers.decode import Decode
+    from deployments.gateway.frontend import Frontend
+    from deployments.workers.local import LocalBackend
+    from deployments.workers.prefill import Prefill
+    from deployments.tenancy import TenantRegistry
+    from deployments.cli.up import start
     from tests.conftest import local_ray_env
 
     tok = load_tokenizer(MODEL)

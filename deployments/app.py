@@ -16,93 +16,16 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import AsyncIterator
 
 from ray import serve
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
-from ray.serve.handle import DeploymentHandle
 
-from .api import HandoffLost, ReplicaFailed
-from .cache_admin import CacheAdmin
-from .config import PlatformConfig
-from .decode import Decode
-from .expert_pool import ExpertShard
-from .frontend import Frontend
-from .grpc_ingress import GrpcInferenceMixin
-from .http_ingress import IngressRoutes, app as http_app
-from .messages import DecodeChunk, DecodeRequest, PrefillRequest, PrefillResult
-from .prefill import Prefill
-from .replica import replica_id
-from .tenants import TenantRegistry, default_dev_tenants
-from . import tracing
-
-_REPLICA_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
-
-
-class ServeBackend:
-    """Prefill and decode hops over Serve handles (decode streams). A replica that dies or
-    cannot be reached becomes :class:`ReplicaFailed`, so the frontend can resume elsewhere."""
-
-    def __init__(self, prefill: dict[str, DeploymentHandle], decode: dict[str, DeploymentHandle]) -> None:
-        self.prefill_handles, self.decode_handles = prefill, decode
-
-    async def prefill(self, pool: str, req: PrefillRequest) -> PrefillResult:
-        try:
-            return await self.prefill_handles[pool].prefill.remote(req)
-        except _REPLICA_GONE as e:
-            raise ReplicaFailed(f"prefill-{pool} replica failed: {type(e).__name__}") from e
-
-    async def decode(self, pool: str, req: DecodeRequest) -> AsyncIterator[DecodeChunk]:
-        try:
-            async for chunk in self.decode_handles[pool].options(stream=True).generate.remote(req):
-                yield chunk
-        except _REPLICA_GONE as e:
-            raise ReplicaFailed(f"decode-{pool} replica failed: {type(e).__name__}") from e
-        except RayTaskError as e:
-            if isinstance(e.cause, HandoffLost):
-                raise HandoffLost(str(e.cause)) from e
-            raise
-
-
-class Ingress(IngressRoutes, GrpcInferenceMixin):
-    def __init__(self, config: PlatformConfig, prefill: dict, decode: dict, cache_admin: DeploymentHandle | None = None) -> None:
-        from model import load_tokenizer
-
-        tracing.setup_tracing("deltaserve-ingress", memory=config.trace_memory)
-        registry = TenantRegistry.from_file(config.tenants_file)
-        self.config = config
-        self.replica = replica_id()
-        self.frontend = Frontend(
-            model_name=config.public_model_name,
-            pools=list(config.pools),
-            tokenizer=load_tokenizer(config.model),
-            registry=registry,
-            backend=ServeBackend(prefill, decode),
-            max_model_len=config.max_model_len,
-            failover_attempts=config.failover_attempts,
-        )
-        self.prefill, self.decode = prefill, decode
-        self.cache_admin = cache_admin  # bound here so it is part of the application
-
-    async def debug_spans(self) -> dict[str, list[dict]]:
-        """Finished spans of this ingress and of one replica of each prefill/decode deployment (trace_memory)."""
-        out = {"ingress": tracing.finished_spans()}
-        for pool in self.prefill:
-            out[f"prefill-{pool}"] = await self.prefill[pool].debug_spans.remote()
-            out[f"decode-{pool}"] = await self.decode[pool].debug_spans.remote()
-        return out
-
-    def usage(self) -> dict:
-        return self.frontend.usage.snapshot()
-
-    def failovers(self) -> int:
-        """Streams this ingress resumed on another replica after a failure."""
-        return self.frontend.failovers
-
-
-# Applied at import time: replicas re-import this module, and must see the routes bound to the class.
-IngressASGI = serve.ingress(http_app)(Ingress)
-
+from deployments.config import PlatformConfig
+from deployments.experts.shard import ExpertShard
+from deployments.gateway.ingress import IngressASGI
+from deployments.tenancy import default_dev_tenants
+from deployments.workers.cache_admin import CacheAdmin
+from deployments.workers.decode import Decode
+from deployments.workers.prefill import Prefill
 
 def _options(config: PlatformConfig, name: str, replicas: int) -> dict:
     return {"name": name, "num_replicas": replicas, "max_ongoing_requests": 256, "graceful_shutdown_timeout_s": 120,

@@ -15,7 +15,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .api import HIGHSPEED_SUFFIX, POOLS
+from deployments.gateway.protocol import HIGHSPEED_SUFFIX, POOLS
 
 
 class _Strict(BaseModel):
@@ -59,7 +59,7 @@ class PoolConfig(_Strict):
 
 
 class ExpertTransportTLS(_Strict):
-    """Mutual TLS on the expert pool's data plane (``deployments/expert_transport.py``): one certificate
+    """Mutual TLS on the expert pool's data plane (``deployments/experts/transport.py``): one certificate
     for every replica, like Ray's own ``RAY_USE_TLS``. Paths as the replicas see them."""
 
     cert_file: str = Field(description="PEM certificate every replica presents (signed by ca_file)")
@@ -106,7 +106,7 @@ class PlatformConfig(_Strict):
     pools: dict[str, PoolConfig] = Field(default_factory=_default_pools, description="service tiers by name")
     expert_mode: Literal["colocated", "pool"] = Field("colocated", description="routed experts in the prefill/decode replica, or in expert-pool deployments")
     expert_shards: int = Field(2, gt=0, description="expert-pool deployments (experts sharded by id) when expert_mode is 'pool'")
-    expert_transport: Literal["direct", "handle"] = Field("direct", description="expert-pool data plane: a persistent TCP connection per shard (deployments/expert_transport.py), or a Serve handle call per MoE layer and shard (the reference; also the fallback of 'direct')")
+    expert_transport: Literal["direct", "handle"] = Field("direct", description="expert-pool data plane: a persistent TCP connection per shard (deployments/experts/transport.py), or a Serve handle call per MoE layer and shard (the reference; also the fallback of 'direct')")
     expert_transport_host: str = Field("127.0.0.1", description="address each expert-pool replica's data plane binds and advertises; '0.0.0.0' binds every interface and advertises the replica's Ray node IP (in Kubernetes: the pod IP)")
     expert_transport_port: int = Field(0, ge=0, le=65535, description="0: an ephemeral port per replica; else shard s listens on this port + s (a fixed range to open in a firewall or a pod spec)")
     expert_transport_timeout_s: float = Field(30.0, gt=0, description="socket timeout of one expert-pool frame (connect, send, reply)")
@@ -130,7 +130,7 @@ class PlatformConfig(_Strict):
                                              "Serve's throughput-optimized mode (RAY_SERVE_THROUGHPUT_OPTIMIZED=1: gRPC "
                                              "between replicas, user code on the replica's event loop), keeping Serve's "
                                              "HTTP/gRPC proxies on `host` (RAY_SERVE_ENABLE_DIRECT_INGRESS=0). A running cluster "
-                                             "(`serve deploy`) takes them from its own environment (deployments.up.serve_env)")
+                                             "(`serve deploy`) takes them from its own environment (deployments.cli.up.serve_env)")
 
     @field_validator("pools")
     @classmethod

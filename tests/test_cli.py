@@ -6,7 +6,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, "-m", "deployments.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "deployments.cli.main", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
 def test_generate_greedy_matches_in_process_generation():

@@ -23,7 +23,7 @@ import torch
 from cache_service.redis_server import LocalRedisServer, find_free_port
 from cache_service.store import RedisStore
 from deployments.config import PlatformConfig
-from deployments.tenants import TenantRegistry
+from deployments.tenancy import TenantRegistry
 from model import load_model, load_tokenizer
 from model.tokenizer import apply_chat_template
 from tests.conftest import local_ray_env
@@ -40,7 +40,7 @@ def platform(tmp_path_factory):
     import ray
     from ray import serve
 
-    from deployments.up import start
+    from deployments.cli.up import start
 
     redis = LocalRedisServer().start()
     env = local_ray_env()
@@ -297,7 +297,7 @@ def test_eviction_under_a_small_memory_budget_keeps_answers_right(platform, ref_
 
 
 def test_cache_cli_stats_and_flush_by_tenant(platform, capsys):
-    from deployments.cli import main
+    from deployments.cli.main import main
 
     store = platform["store"]
     chat(platform, "a", conversation("cli"), key="bob")

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from deployments.config import PlatformConfig
-from deployments.expert_pool import ExpertPoolClient, ExpertShard, shard_parts
-from deployments.expert_transport import (MAGIC, MSG_HELLO, MSG_RUN, REPLY, REQUEST, VERSION, ExpertClient, ExpertEndpoint,
+from deployments.experts.client import ExpertPoolClient, shard_parts
+from deployments.experts.shard import ExpertShard
+from deployments.experts.transport import (MAGIC, MSG_HELLO, MSG_RUN, REPLY, REQUEST, VERSION, ExpertClient, ExpertEndpoint,
                                           FrameError, FrameLimits, RemoteExpertError, RunHeader, TransportError, check_run,
                                           parse_reply, parse_request, recv_bytes)
 from model import load_model

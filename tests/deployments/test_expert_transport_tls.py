@@ -19,8 +19,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from deployments.config import ExpertTransportTLS, PlatformConfig
-from deployments.expert_pool import ExpertPoolClient, ExpertShard, tls_context
-from deployments.expert_transport import (MAGIC, MSG_HELLO, REQUEST, TOKEN_BYTES, VERSION, ExpertClient, TransportError,
+from deployments.experts.client import ExpertPoolClient
+from deployments.experts.shard import ExpertShard
+from deployments.experts.transport import tls_context
+from deployments.experts.transport import (MAGIC, MSG_HELLO, REQUEST, TOKEN_BYTES, VERSION, ExpertClient, TransportError,
                                           recv_bytes, ssl_context)
 from model import load_model
 from model.layers.moe import run_experts

@@ -1,4 +1,4 @@
-"""gRPC ingress (deployments/grpc_ingress.py) on a real local Ray Serve, with a fake frontend.
+"""gRPC ingress (deployments/gateway/grpc_ingress.py) on a real local Ray Serve, with a fake frontend.
 
 The first tests check the request conversion in-process; the rest start Ray + Serve once
 (module fixture) with the Inference servicer on a free gRPC port, deploy an ingress class
@@ -23,17 +23,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from cache_service import find_free_port  # noqa: E402
-from deployments.api import (  # noqa: E402
-    ApiError,
-    BadRequest,
-    CompletionInput,
-    Finished,
-    ModelCard,
-    ModelNotFound,
-    TextDelta,
-    Usage,
-)
-from deployments.grpc_ingress import (  # noqa: E402
+from deployments.gateway.errors import ApiError, BadRequest, ModelNotFound  # noqa: E402
+from deployments.gateway.protocol import CompletionInput, Finished, ModelCard, TextDelta, Usage  # noqa: E402
+from deployments.gateway.grpc_ingress import (  # noqa: E402
     GrpcInferenceMixin,
     api_key_from_metadata,
     completion_input_from_request,
@@ -46,7 +38,7 @@ SERVICE = "deltaserve.v1.Inference"
 
 
 # ----------------------------------------------------------------------------------------
-# Test double for deployments.frontend.Frontend (the interface in deployments/api.py)
+# Test double for deployments.gateway.frontend.Frontend (the interface in deployments/gateway/protocol.py)
 # ----------------------------------------------------------------------------------------
 
 
@@ -268,7 +260,7 @@ def grpc_target():
     os.environ["RAY_AUTH_MODE"] = "token"
     os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(16)
     os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
-    # The proxy imports deployments.grpc_ingress.add_inference_servicer and the replicas
+    # The proxy imports deployments.gateway.grpc_proxy.add_inference_servicer and the replicas
     # import deployments.*: the repo must be importable in Ray's worker processes too.
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), saved["PYTHONPATH"]) if p)
     _reset_ray_auth_config()
@@ -282,7 +274,7 @@ def grpc_target():
             http_options=HTTPOptions(host="127.0.0.1", port=http_port),
             grpc_options=gRPCOptions(
                 port=grpc_port,
-                grpc_servicer_functions=["deployments.grpc_ingress.add_inference_servicer"],
+                grpc_servicer_functions=["deployments.gateway.grpc_proxy.add_inference_servicer"],
                 enable_reflection=True,
             ),
         )

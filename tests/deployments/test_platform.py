@@ -16,7 +16,7 @@ import torch
 from deployments.config import PlatformConfig
 from deployments.proto.deltaserve.v1 import inference_pb2 as pb
 from deployments.proto.deltaserve.v1 import inference_pb2_grpc as pbg
-from deployments.tenants import TenantRegistry
+from deployments.tenancy import TenantRegistry
 from model import load_model, load_tokenizer
 from model.runner import ModelRunner, generate
 from cache_service import find_free_port
@@ -31,7 +31,7 @@ def platform(tmp_path_factory):
     import ray
     from ray import serve
 
-    from deployments.up import start
+    from deployments.cli.up import start
 
     env = local_ray_env()
     env.__enter__()
@@ -323,9 +323,9 @@ def test_state_handoff_prefill_to_decode_and_a_lost_reference_is_handoff_lost(pl
     import ray
     from ray import serve
 
-    from deployments.api import HandoffLost
-    from deployments.app import ServeBackend
-    from deployments.messages import DecodeRequest, PrefillRequest
+    from deployments.gateway.errors import HandoffLost
+    from deployments.gateway.serve_backend import ServeBackend
+    from deployments.workers.messages import DecodeRequest, PrefillRequest
     from model.runner import SamplingParams
 
     pre = serve.get_deployment_handle("prefill-standard", app_name="deltaserve")
@@ -417,7 +417,7 @@ def test_expert_pool_hops_have_spans_under_prefill_and_decode(platform):
 def test_replicas_change_independently_while_requests_flow(platform):
     from ray import serve
 
-    from deployments.up import deploy
+    from deployments.cli.up import deploy
 
     config = platform["config"]
     stop = time.time() + 60
@@ -469,7 +469,7 @@ def test_a_second_expert_pool_replica_takes_a_share_of_the_direct_calls(platform
     new replica (background discovery) and send it MoE layer calls round robin; tokens stay the same."""
     from ray import serve
 
-    from deployments.up import deploy
+    from deployments.cli.up import deploy
 
     def shard0_by_replica() -> dict[str, int]:
         handle = serve.get_deployment_handle("expert-pool-0", app_name="pool-mode")

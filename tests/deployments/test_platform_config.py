@@ -2,7 +2,7 @@ import pytest
 from pydantic import ValidationError
 
 from deployments.config import PlatformConfig
-from deployments.up import parse_replicas, serve_schema
+from deployments.cli.up import parse_replicas, serve_schema
 
 
 def test_defaults_are_the_embedded_single_machine_setup():
@@ -59,7 +59,7 @@ def test_bad_overrides_and_fields_are_named():
 def test_serve_env_is_throughput_optimized_with_serve_proxies_and_never_overrides(monkeypatch):
     import os
 
-    from deployments.up import _environ, serve_env
+    from deployments.cli.up import _environ, serve_env
 
     env = serve_env(PlatformConfig())
     assert env == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",

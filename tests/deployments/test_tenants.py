@@ -14,7 +14,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deployments.tenants import (
+from deployments.tenancy import (
     AuthError,
     BadRequestError,
     PermissionDeniedError,
@@ -33,7 +33,7 @@ from deployments.tenants import (
     generate_api_key,
     hash_api_key,
 )
-from deployments.tenants_cli import add_tenants_parser
+from deployments.cli.tenants import add_tenants_parser
 
 H1 = "sha256:" + "a" * 64
 H2 = "sha256:" + "b" * 64
@@ -105,7 +105,7 @@ def test_save_is_atomic_with_mode_0600(tmp_path, monkeypatch):
     good = path.read_text()
 
     # a failure during the write leaves the old file whole and no temp file
-    import deployments.tenants as mod
+    import deployments.tenancy.registry as mod
 
     def boom(src, dst):
         raise OSError(28, "No space left on device")

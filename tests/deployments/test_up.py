@@ -59,7 +59,7 @@ def test_deltaserve_up_serves_and_stops_on_ctrl_c(tmp_path, actor_calls):
     env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), "DELTASERVE_API_KEY": key,
                 "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)})
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deployments.cli", "up", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+        [sys.executable, "-m", "deployments.cli.main", "up", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
          "--tenants", str(tmp_path / "tenants.yaml"), "--no-cache", "--expert-transport", "direct"]
         + ["--serve-actor-calls"] * actor_calls,
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -88,7 +88,7 @@ def test_deltaserve_up_serves_and_stops_on_ctrl_c(tmp_path, actor_calls):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
         assert r.headers["x-deltaserve-pool"] == "standard"
 
-        # every Serve replica runs in the environment `deltaserve up` gave Ray (deployments.up.serve_env)
+        # every Serve replica runs in the environment `deltaserve up` gave Ray (deployments.cli.up.serve_env)
         envs = _serve_replica_environs(proc.pid)
         assert envs, "no Serve replica processes found under deltaserve up"
         for e in envs:

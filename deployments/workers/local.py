@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import AsyncIterator
 
-from .decode import Decode
-from .messages import DecodeChunk, DecodeRequest, PrefillRequest, PrefillResult
-from .prefill import Prefill
+from deployments.workers.decode import Decode
+from deployments.workers.messages import DecodeChunk, DecodeRequest, PrefillRequest, PrefillResult
+from deployments.workers.prefill import Prefill
 
 
 class LocalBackend:

@@ -2,7 +2,7 @@
 
 A prefill replica puts the state bytes (:meth:`SequenceState.to_bytes`, ~460 KB for
 tiny-k3) into the object store and returns a reference; the ingress forwards the reference
-in the :class:`~deployments.messages.DecodeRequest` without fetching it, and the decode
+in the :class:`~deployments.workers.messages.DecodeRequest` without fetching it, and the decode
 replica fetches the bytes. They cross from the prefill process to the decode process once
 (shared memory on one node), instead of being returned to the ingress and sent on again
 (two object-store round trips and the ingress's CPU for each).
@@ -10,10 +10,10 @@ replica fetches the bytes. They cross from the prefill process to the decode pro
 The prefill replica owns the object: it lives while a reference to it does (the ingress's,
 then the decode replica's) and is freed when the last is dropped (a stream cancelled
 before decode included). A prefill replica that dies before decode fetches it loses the
-object: the fetch raises :class:`~deployments.api.HandoffLost` and the frontend prefills
+object: the fetch raises :class:`~deployments.gateway.protocol.HandoffLost` and the frontend prefills
 again (the same path as a handoff lost from the cache service).
 
-In-process (:class:`~deployments.local.LocalBackend`) the bytes travel as they are, and so
+In-process (:class:`~deployments.workers.local.LocalBackend`) the bytes travel as they are, and so
 they do where Serve sends replies between replicas over gRPC (throughput-optimized Serve,
 :func:`serve_replies_by_grpc`): a reference pickled into a gRPC reply is serialized out of
 band, and Ray then pins its object for the owner's lifetime (a leak per request), while
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .api import HandoffLost
+from deployments.gateway.errors import HandoffLost
 
 
 def serve_replies_by_grpc() -> bool:

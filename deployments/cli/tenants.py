@@ -1,4 +1,4 @@
-"""`deltaserve tenants add|list|revoke`: edit the tenants file (see :mod:`deployments.tenants`).
+"""`deltaserve tenants add|list|revoke`: edit the tenants file (see :mod:`deployments.tenancy`).
 
     deltaserve tenants add acme --pools standard,highspeed --rpm 120 --tpm 200000
     deltaserve tenants list [--json]
@@ -35,7 +35,7 @@ def _parse_pools(text: str) -> list[str]:
 
 
 def _add(args: argparse.Namespace) -> int:
-    from .tenants import TenantRegistry, TenantsFileError
+    from deployments.tenancy import TenantRegistry, TenantsFileError
 
     path = tenants_path(args)
     try:
@@ -62,7 +62,7 @@ def _row(spec) -> dict:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from .tenants import TenantRegistry, TenantsFileError
+    from deployments.tenancy import TenantRegistry, TenantsFileError
 
     try:
         reg = TenantRegistry.load(tenants_path(args))
@@ -82,7 +82,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _revoke(args: argparse.Namespace) -> int:
-    from .tenants import TenantRegistry, TenantsFileError
+    from deployments.tenancy import TenantRegistry, TenantsFileError
 
     path = tenants_path(args)
     try:

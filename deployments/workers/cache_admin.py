@@ -13,8 +13,8 @@ from cache_service.admin import cache_stats
 from cache_service.client import flush_cache
 from cache_service.store import RedisStore
 
-from .config import PlatformConfig
-from .replica import redis_url
+from deployments.config import PlatformConfig
+from deployments.workers.replica import redis_url
 
 
 class CacheAdmin:

@@ -19,12 +19,14 @@ from typing import AsyncIterator
 from deployments.engine import GenerationRequest
 from model.state import SequenceState
 
-from . import handoff, tracing
-from .api import HandoffLost
-from .config import PlatformConfig
-from .engine_replica import EngineReplica
-from .messages import DecodeChunk, DecodeRequest
-from .replica import cache_key
+from deployments.workers import handoff
+
+from deployments.observability import tracing
+from deployments.gateway.errors import HandoffLost
+from deployments.config import PlatformConfig
+from deployments.workers.engine_replica import EngineReplica
+from deployments.workers.messages import DecodeChunk, DecodeRequest
+from deployments.workers.replica import cache_key
 
 
 class Decode(EngineReplica):

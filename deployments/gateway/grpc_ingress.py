@@ -1,25 +1,9 @@
 """gRPC ingress: ``deltaserve.v1.Inference`` on Ray Serve's gRPC proxy.
 
-Two pieces:
-
-* :func:`add_inference_servicer` goes into ``gRPCOptions.grpc_servicer_functions``
-  (``"deployments.grpc_ingress.add_inference_servicer"``). Serve calls it once in every
-  proxy actor with a mock servicer and its own ``grpc.aio`` server. It registers
-
-  - ``deltaserve.v1.Inference``: Serve rewrites these handlers so that each call is
-    routed to the ingress deployment's method of the same name (``Generate``,
-    ``GenerateStream``, ``ListModels``);
-  - ``grpc.health.v1.Health``: registered as a *passthrough* service, so the proxy
-    answers it itself (SERVING for ``""`` and ``deltaserve.v1.Inference``) instead of
-    routing it to a replica (which would need an ingress method called ``Check``).
-
-  Server reflection comes from Serve: ``gRPCOptions(enable_reflection=True)`` (the
-  default) runs after the servicer functions and advertises every service registered
-  on the server, so it lists ``deltaserve.v1.Inference`` and ``grpc.health.v1.Health``.
-
+* :mod:`deployments.gateway.grpc_proxy` registers the services in Serve's gRPC proxy.
 * :class:`GrpcInferenceMixin` gives the ingress deployment class those three methods.
   They read the API key from the ``authorization`` metadata (``Bearer <key>`` or the bare
-  key), turn the request into a :class:`~deployments.api.CompletionInput`, call
+  key), turn the request into a :class:`~deployments.gateway.protocol.CompletionInput`, call
   ``self.frontend`` and turn its events (or its errors) into protobuf replies, gRPC
   status codes and trailing metadata.
 
@@ -35,33 +19,25 @@ its last message is yielded. See :data:`GrpcInferenceMixin.stream_error_carrier`
 
 from __future__ import annotations
 
-import asyncio
 import inspect
-import logging
 import math
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deployments.api import BadRequest, ChatMessage, CompletionInput, Finished, TextDelta
+from deployments.gateway.errors import BadRequest, grpc_error
+from deployments.gateway.grpc_proxy import SERVICE_NAME
+from deployments.gateway.protocol import ChatMessage, CompletionInput, Finished, TextDelta
 from deployments.proto.deltaserve.v1 import inference_pb2 as pb
-from deployments.proto.deltaserve.v1 import inference_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:  # pragma: no cover
-    from deployments.api import Usage
+    from deployments.gateway.protocol import Usage
 
 __all__ = [
-    "SERVICE_NAME",
-    "HEALTH_SERVICE_NAME",
     "GrpcInferenceMixin",
-    "add_inference_servicer",
     "api_key_from_metadata",
     "completion_input_from_request",
 ]
-
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name  # "deltaserve.v1.Inference"
-HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name  # "grpc.health.v1.Health"
 
 # Trailing metadata keys (gRPC metadata keys are lower case).
 MD_POOL = "x-deltaserve-pool"
@@ -81,60 +57,6 @@ MD_RETRY_AFTER = "retry-after"  # whole seconds, like HTTP Retry-After
 MD_AUTHORIZATION = "authorization"
 MD_SESSION_ID = "x-session-id"
 
-logger = logging.getLogger("ray.serve").getChild("deltaserve.grpc")
-
-
-# --------------------------------------------------------------------------------------
-# Proxy-side registration: Inference (routed to replicas) + Health (answered by the proxy)
-# --------------------------------------------------------------------------------------
-
-
-class ProxyHealthServicer(health_pb2_grpc.HealthServicer):
-    """``grpc.health.v1.Health`` answered by the gRPC proxy itself (asyncio server).
-
-    Static: the proxy process is up and ``deltaserve.v1.Inference`` is registered on it,
-    so both the server ("") and the service report SERVING. Whether a model pool has
-    capacity is the business of the Inference calls (UNAVAILABLE), not of this probe.
-    """
-
-    def __init__(self, services: tuple[str, ...] = ("", SERVICE_NAME)) -> None:
-        self._status = {name: health_pb2.HealthCheckResponse.SERVING for name in services}
-
-    async def Check(self, request, context):
-        status = self._status.get(request.service)
-        if status is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
-        return health_pb2.HealthCheckResponse(status=status)
-
-    async def Watch(self, request, context):
-        # Statuses never change while the proxy lives: send the current one and hold the
-        # stream open until the client goes away (or the server stops).
-        status = self._status.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
-        yield health_pb2.HealthCheckResponse(status=status)
-        await asyncio.Event().wait()
-
-    async def List(self, request, context):
-        response = health_pb2.HealthListResponse()
-        for name, status in self._status.items():
-            response.statuses[name].status = status
-        return response
-
-
-def add_inference_servicer(servicer: Any, server: Any) -> None:
-    """Servicer function for Serve's ``gRPCOptions.grpc_servicer_functions``.
-
-    ``servicer`` is whatever Serve passes (a Mock: Serve replaces the Inference handlers
-    with its replica-routing ones); ``server`` is Serve's ``gRPCGenericServer``. On a plain
-    ``grpc.aio`` server (no ``add_passthrough_service``) this registers ``servicer`` for
-    Inference and the health service as they are.
-    """
-    pb_grpc.add_InferenceServicer_to_server(servicer, server)
-    mark_passthrough = getattr(server, "add_passthrough_service", None)
-    if mark_passthrough is not None:
-        # Must precede the registration: handlers of a passthrough service are added
-        # unmodified, so the proxy runs them instead of routing them to a replica.
-        mark_passthrough(HEALTH_SERVICE_NAME)
-    health_pb2_grpc.add_HealthServicer_to_server(ProxyHealthServicer(), server)
 
 
 # --------------------------------------------------------------------------------------
@@ -262,50 +184,15 @@ def success_trailers(fin: Finished, request_id: str) -> list[tuple[str, str]]:
     ]
 
 
-def _status_code(name: Any) -> grpc.StatusCode:
-    if isinstance(name, grpc.StatusCode):
-        return name
-    code = getattr(grpc.StatusCode, str(name).upper(), None) if name else None
-    return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
-
-
-def error_status(exc: BaseException) -> tuple[grpc.StatusCode, str, list[tuple[str, str]]]:
-    """(code, details, trailing metadata) for an exception raised by the frontend.
-
-    Anything with a ``grpc_code`` (ApiError and the tenants errors) maps to that code
-    with its ``message``; RESOURCE_EXHAUSTED always carries ``retry-after`` (whole
-    seconds, rounded up, at least 1), other codes when the error gives ``retry_after_s``. Any other
-    exception is INTERNAL with a short message (the caller logs the traceback).
-    """
-    grpc_code = getattr(exc, "grpc_code", None)
-    if grpc_code is None:
-        return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__})", []
-    code = _status_code(grpc_code)
-    message = getattr(exc, "message", None) or str(exc) or code.name
-    trailers: list[tuple[str, str]] = []
-    if getattr(exc, "code", None):
-        trailers.append((MD_ERROR_CODE, str(exc.code)))
-    retry_after_s = getattr(exc, "retry_after_s", None)
-    if retry_after_s is not None or code is grpc.StatusCode.RESOURCE_EXHAUSTED:
-        seconds = 1 if retry_after_s is None else max(1, math.ceil(float(retry_after_s)))  # as HTTP
-        trailers.append((MD_RETRY_AFTER, str(seconds)))
-    return code, message, trailers
-
-
 def _set_error(grpc_context: Any, exc: BaseException, rpc: str) -> None:
-    """Report ``exc`` on the call; re-raises it when there is no gRPC context (handle calls)."""
-    code, details, trailers = error_status(exc)
-    if getattr(exc, "grpc_code", None) is None:
-        request_id = _serve_request_id(grpc_context)
-        logger.exception("%s/%s failed (request_id %s)", SERVICE_NAME, rpc, request_id or "?", exc_info=exc)
-        if request_id:
-            details = f"{details}; request_id {request_id}"
+    """Report ``exc`` on the call (the one mapping: :func:`deployments.gateway.errors.grpc_error`,
+    which logs a 5xx with its request id); re-raises it when there is no gRPC context (handle calls)."""
     if grpc_context is None:
         raise exc
-    grpc_context.set_code(code)
+    code, details, trailers = grpc_error(exc, _serve_request_id(grpc_context) or f"{SERVICE_NAME}/{rpc}")
+    grpc_context.set_code(getattr(grpc.StatusCode, code))
     grpc_context.set_details(details)
-    if trailers:
-        grpc_context.set_trailing_metadata(trailers)
+    grpc_context.set_trailing_metadata(trailers)
 
 
 # --------------------------------------------------------------------------------------
@@ -316,7 +203,7 @@ def _set_error(grpc_context: Any, exc: BaseException, rpc: str) -> None:
 class GrpcInferenceMixin:
     """``deltaserve.v1.Inference`` methods for the Serve ingress deployment class.
 
-    The class sets ``self.frontend`` (see ``deployments/api.py`` for the interface).
+    The class sets ``self.frontend`` (see ``deployments/gateway/protocol.py`` for the interface).
     Serve calls ``<Method>(request_proto, grpc_context=RayServegRPCContext)``; the
     methods return/yield protobuf messages, which Serve serializes.
     """

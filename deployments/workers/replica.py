@@ -16,7 +16,7 @@ from model.config import ModelConfig
 from model.network import KimiForCausalLM
 from model.tokenizer import Tokenizer
 
-from .config import PlatformConfig
+from deployments.config import PlatformConfig
 
 
 def replica_id() -> str:

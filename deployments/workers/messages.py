@@ -36,7 +36,7 @@ class PrefillResult:
     finished: bool  # True when the first token already ends the request (stop or max_tokens == 1)
     finish_reason: str | None
     state: Any  # SequenceState.to_bytes() after the prompt (the direct handoff): bytes, or under Serve a ray.ObjectRef
-    #             to them (deployments/handoff.py) that the ingress forwards unfetched; None with handoff_key or finished
+    #             to them (deployments/workers/handoff.py) that the ingress forwards unfetched; None with handoff_key or finished
     handoff_key: str | None  # the handoff went through the cache service under this key (state is None)
     prompt_tokens: int
     cached_tokens: int

@@ -1,9 +1,7 @@
 """Typed objects shared by the ingresses (HTTP, gRPC) and the frontend that serves them.
 
 The frontend turns a :class:`CompletionInput` into a stream of :class:`TextDelta` events
-closed by one :class:`Finished`. Every failure before the first event is an
-:class:`ApiError` (or a tenants error with the same attributes), which each ingress maps
-to its own status: HTTP status + OpenAI error body, or a gRPC status code.
+closed by one :class:`Finished`. Failures are :class:`~deployments.gateway.errors.ApiError` instances.
 """
 
 from __future__ import annotations
@@ -12,47 +10,6 @@ from dataclasses import dataclass, field
 
 POOLS = ("standard", "highspeed")
 HIGHSPEED_SUFFIX = "-highspeed"
-
-
-class ApiError(Exception):
-    """A request that cannot be served; ``status`` (HTTP), ``grpc_code`` (grpc.StatusCode name), ``code`` (OpenAI)."""
-
-    status = 400
-    grpc_code = "INVALID_ARGUMENT"
-    code = "invalid_request_error"
-    type = "invalid_request_error"
-
-    def __init__(self, message: str, *, param: str | None = None, retry_after_s: float | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.retry_after_s = retry_after_s
-
-
-class BadRequest(ApiError):
-    pass
-
-
-class ModelNotFound(ApiError):
-    status, grpc_code, code, type = 404, "NOT_FOUND", "model_not_found", "invalid_request_error"
-
-
-class InternalError(ApiError):
-    status, grpc_code, code, type = 500, "INTERNAL", "internal_error", "server_error"
-
-
-class Unavailable(ApiError):
-    status, grpc_code, code, type = 503, "UNAVAILABLE", "service_unavailable", "server_error"
-
-
-class ReplicaFailed(Exception):
-    """A prefill or decode replica died (or became unreachable) during a request: the
-    frontend resumes the request elsewhere. Raised by backends; never reaches a client."""
-
-
-class HandoffLost(Exception):
-    """A prefill → decode handoff entry is gone from the cache service (expired, evicted,
-    Redis down): the frontend recomputes through prefill and hands off directly."""
 
 
 @dataclass(frozen=True, slots=True)

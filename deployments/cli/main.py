@@ -59,9 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     gen.add_argument("--ids", action="store_true", help="print token ids instead of text")
     gen.set_defaults(func=_generate)
-    from .cache_cli import add_cache_parser
-    from .tenants_cli import add_tenants_parser
-    from .up import add_up_parser
+    from deployments.cli.cache import add_cache_parser
+    from deployments.cli.tenants import add_tenants_parser
+    from deployments.cli.up import add_up_parser
 
     add_up_parser(sub)
     add_tenants_parser(sub)

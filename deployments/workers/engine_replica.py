@@ -9,10 +9,11 @@ from collections.abc import Iterator
 from deployments.engine import AsyncEngine, CheckpointPlan, Engine, EngineConfig
 from model.runner import ModelRunner
 
-from . import tracing
-from .config import PlatformConfig
-from .expert_pool import attach_expert_pool, tls_context
-from .replica import load_replica_model, make_cache, replica_id
+from deployments.observability import tracing
+from deployments.config import PlatformConfig
+from deployments.experts.client import attach_expert_pool
+from deployments.experts.transport import tls_context
+from deployments.workers.replica import load_replica_model, make_cache, replica_id
 
 
 class EngineReplica:

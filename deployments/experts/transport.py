@@ -33,9 +33,12 @@ import ssl
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from deployments.config import PlatformConfig
 
 MAGIC = b"DSXP"
 VERSION = 1
@@ -433,3 +436,9 @@ class ExpertClient:
         if nbytes:
             recv_into(self.sock, _bytes(out))
         return out
+
+
+def tls_context(config: "PlatformConfig", *, server_side: bool) -> ssl.SSLContext | None:
+    """The data plane's TLS context of one side from ``config.expert_transport_tls`` (None: plain TCP)."""
+    t = config.expert_transport_tls
+    return None if t is None else ssl_context(t.cert_file, t.key_file, t.ca_file, server_side=server_side)

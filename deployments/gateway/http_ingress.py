@@ -19,7 +19,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .api import ApiError, BadRequest, ChatMessage, CompletionInput, Finished, InternalError, TextDelta
+from deployments.gateway.protocol import ChatMessage, CompletionInput, Finished, TextDelta
+from deployments.gateway.errors import ApiError, BadRequest, InternalError
 
 log = logging.getLogger("deltaserve.http")
 

@@ -15,10 +15,10 @@ import sys
 import threading
 import time
 
-from .config import PlatformConfig
-from .replica import redis_url
+from deployments.config import PlatformConfig
+from deployments.workers.replica import redis_url
 
-GRPC_SERVICER = "deployments.grpc_ingress.add_inference_servicer"
+GRPC_SERVICER = "deployments.gateway.grpc_proxy.add_inference_servicer"
 
 
 def _port_is_free(port: int) -> bool:
@@ -128,7 +128,7 @@ def start(config: PlatformConfig, *, app_name: str = "deltaserve", extra_apps: l
 
 
 def up(args: argparse.Namespace) -> int:
-    from .tenants import default_dev_tenants
+    from deployments.tenancy import default_dev_tenants
 
     try:
         config = PlatformConfig.load(args.config)

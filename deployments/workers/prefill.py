@@ -7,7 +7,7 @@ checkpoints, from its LRU or Redis) and computes only the rest, cutting checkpoi
 prompt (:class:`~model.state.SequenceState` bytes) directly, or through the cache service
 (``cache.handoff: cache``): the decode replica continues from exactly there. Under Serve
 (``object_store_handoff``) the direct handoff returns a reference into Ray's object store
-(:mod:`deployments.handoff`) that the ingress forwards to decode without fetching it, except
+(:mod:`deployments.workers.handoff`) that the ingress forwards to decode without fetching it, except
 where Serve replies over gRPC (throughput-optimized Serve): there the bytes go in the reply.
 
 A request may carry ``replay_ids``: the output a failed decode replica already delivered.
@@ -24,11 +24,13 @@ from dataclasses import replace
 
 from deployments.engine import GenerationRequest
 
-from . import handoff, tracing
-from .config import PlatformConfig
-from .engine_replica import EngineReplica
-from .messages import PrefillRequest, PrefillResult
-from .replica import cache_key
+from deployments.workers import handoff
+
+from deployments.observability import tracing
+from deployments.config import PlatformConfig
+from deployments.workers.engine_replica import EngineReplica
+from deployments.workers.messages import PrefillRequest, PrefillResult
+from deployments.workers.replica import cache_key
 
 
 class Prefill(EngineReplica):

@@ -6,7 +6,7 @@ handoff entry is lost, the request goes through prefill again with the tokens th
 already has as ``replay_ids``; prefill resumes from the dead replica's last cache checkpoint,
 computes the rest, and a live decode replica continues. The client sees one stream.
 
-Transport-free: HTTP and gRPC ingresses parse into :class:`~deployments.api.CompletionInput`
+Transport-free: HTTP and gRPC ingresses parse into :class:`~deployments.gateway.protocol.CompletionInput`
 and render the events; the prefill/decode hops go through an injected backend (Serve handles
 in the platform, in-process engines in tests and benchmarks).
 """
@@ -21,23 +21,12 @@ from typing import AsyncIterator, Protocol
 from model.runner import SamplingParams
 from model.tokenizer import Tokenizer, apply_chat_template
 
-from . import tracing
-from .api import (
-    HIGHSPEED_SUFFIX,
-    BadRequest,
-    CompletionInput,
-    Finished,
-    HandoffLost,
-    ModelCard,
-    ModelNotFound,
-    ReplicaFailed,
-    TextDelta,
-    Unavailable,
-    Usage,
-)
-from .messages import DecodeChunk, DecodeRequest, PrefillRequest, PrefillResult
-from .replica import stop_token_ids
-from .tenants import RateLimiter, TenantRegistry, UsageCounter, check_pool
+from deployments.observability import tracing
+from deployments.gateway.protocol import HIGHSPEED_SUFFIX, CompletionInput, Finished, ModelCard, TextDelta, Usage
+from deployments.gateway.errors import BadRequest, HandoffLost, ModelNotFound, ReplicaFailed, Unavailable
+from deployments.workers.messages import DecodeChunk, DecodeRequest, PrefillRequest, PrefillResult
+from deployments.workers.replica import stop_token_ids
+from deployments.tenancy import RateLimiter, TenantRegistry, UsageCounter, check_pool
 
 
 class Backend(Protocol):

@@ -1,6 +1,4 @@
-"""Tenants: API keys, pool entitlements, rate limits and usage counters.
-
-No Ray and no web framework here: the ingresses (HTTP and gRPC) call into this module.
+"""The tenants file and the registry the ingresses authenticate against.
 
 * A tenants file (YAML, :class:`TenantsFile`) lists tenants. Each tenant has hashed API keys
   (``sha256:<64 hex>``; a key is never stored or logged in clear), the pools it may use,
@@ -10,173 +8,41 @@ No Ray and no web framework here: the ingresses (HTTP and gRPC) call into this m
   ``Authorization`` values (``Bearer <key>`` or a bare key) and reloads the file when it
   changes on disk (:meth:`TenantRegistry.reload_if_changed`), so a running ingress sees
   ``deltaserve tenants add/revoke`` without a restart.
-* :class:`RateLimiter` enforces requests/min and tokens/min per tenant; :class:`UsageCounter`
-  counts what each tenant used.
 
-Every error a client can cause is a :class:`TenantError` with the same attributes as
-``deployments.api.ApiError``: ``status`` (HTTP), ``grpc_code`` (``grpc.StatusCode`` name),
-``code`` and ``type`` (OpenAI error body), ``message``, ``param`` and ``retry_after_s``.
-
-=========================  ======  ===================  ======================
-error                      status  grpc_code            code
-=========================  ======  ===================  ======================
-AuthError (missing key)    401     UNAUTHENTICATED      missing_api_key
-AuthError (wrong key)      401     UNAUTHENTICATED      invalid_api_key
-PermissionDeniedError      403     PERMISSION_DENIED    model_not_allowed
-  (disabled tenant)        403     PERMISSION_DENIED    tenant_disabled
-RateLimitedError           429     RESOURCE_EXHAUSTED   rate_limit_exceeded
-BadRequestError            400     INVALID_ARGUMENT     request_too_large /
-                                                        context_length_exceeded
-=========================  ======  ===================  ======================
+Errors a client causes are :mod:`deployments.gateway.errors` classes (401, 403, 400).
 """
 
 from __future__ import annotations
 
-import collections
-import hashlib
 import hmac
-import itertools
 import logging
-import math
 import os
 import re
 import secrets
 import tempfile
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal
+from typing import Any, Iterable, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from deployments.gateway.errors import AuthError, BadRequestError, PermissionDeniedError
+from deployments.tenancy.keys import _check_key_text, generate_api_key, hash_api_key, parse_authorization
 
 log = logging.getLogger(__name__)
 
 Pool = Literal["standard", "highspeed"]
 POOLS: tuple[str, ...] = ("standard", "highspeed")
-KEY_PREFIX = "ds-"
-HASH_PREFIX = "sha256:"
-WINDOW_S = 60.0  # the "per minute" of requests_per_minute / tokens_per_minute
 
 _NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 _HASH_RE = re.compile(r"sha256:[0-9a-f]{64}")
 _MIN_SALT_CHARS = 16
 
 
-# ----------------------------------------------------------------------------- errors
-
-
-class TenantError(Exception):
-    """A request refused for tenant reasons; attributes match ``deployments.api.ApiError``."""
-
-    status = 400
-    grpc_code = "INVALID_ARGUMENT"
-    code = "invalid_request_error"
-    type = "invalid_request_error"
-
-    def __init__(self, message: str, *, code: str | None = None, param: str | None = None,
-                 retry_after_s: float | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        if code is not None:
-            self.code = code
-        self.param = param
-        self.retry_after_s = retry_after_s
-
-    def error_body(self) -> dict[str, Any]:
-        """OpenAI-style JSON error body."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def headers(self) -> dict[str, str]:
-        """HTTP headers that go with this error (``Retry-After``, ``WWW-Authenticate``)."""
-        return {}
-
-
-class AuthError(TenantError):
-    """401: no API key, or one that matches no tenant."""
-
-    status, grpc_code, code, type = 401, "UNAUTHENTICATED", "invalid_api_key", "authentication_error"
-
-    def headers(self) -> dict[str, str]:
-        return {"WWW-Authenticate": "Bearer"}
-
-
-class PermissionDeniedError(TenantError):
-    """403: an authenticated tenant asked for something it is not entitled to."""
-
-    status, grpc_code, code, type = 403, "PERMISSION_DENIED", "model_not_allowed", "permission_error"
-
-
-class RateLimitedError(TenantError):
-    """429: over requests/min or tokens/min; ``retry_after_s`` says when the request would fit."""
-
-    status, grpc_code, code, type = 429, "RESOURCE_EXHAUSTED", "rate_limit_exceeded", "rate_limit_error"
-
-    def __init__(self, message: str, *, retry_after_s: float, code: str | None = None) -> None:
-        super().__init__(message, code=code, retry_after_s=retry_after_s)
-
-    @property
-    def retry_after_header(self) -> str:
-        """``Retry-After`` value: whole seconds, rounded up (at least 1)."""
-        return str(max(1, math.ceil(self.retry_after_s or 0.0)))
-
-    def headers(self) -> dict[str, str]:
-        return {"Retry-After": self.retry_after_header}
-
-
-class BadRequestError(TenantError):
-    """400: a request that can never succeed under the tenant's limits (retrying will not help).
-
-    Used instead of 429 when one request reserves more tokens than ``tokens_per_minute``
-    (the bucket can never hold that many) or more than ``max_context``.
-    """
-
-    status, grpc_code, code, type = 400, "INVALID_ARGUMENT", "request_too_large", "invalid_request_error"
-
-
 class TenantsFileError(ValueError):
     """A tenants file that cannot be read or does not validate (message names file and value)."""
-
-
-# ----------------------------------------------------------------------------- keys
-
-
-def generate_api_key() -> str:
-    """A new API key: ``ds-`` + 32 random bytes, URL-safe base64 (256 bits of entropy)."""
-    return KEY_PREFIX + secrets.token_urlsafe(32)
-
-
-def hash_api_key(api_key: str) -> str:
-    """``sha256:<hex>`` of a key.
-
-    A fast, unsalted hash is enough here: generated keys carry 256 bits of entropy, so
-    brute-forcing the hash is hopeless and a slow KDF (bcrypt/argon2) would only add latency
-    to every request. (A short, human-chosen key passed in through DELTASERVE_API_KEY does
-    not get this protection; use generated keys outside development.)
-    """
-    return HASH_PREFIX + hashlib.sha256(api_key.encode("utf-8")).hexdigest()
-
-
-def _check_key_text(api_key: str) -> None:
-    if not api_key or api_key != api_key.strip() or any(c.isspace() for c in api_key):
-        # Never echo the key itself.
-        raise ValueError("an API key must be non-empty and contain no whitespace")
-
-
-def parse_authorization(value: str | None) -> str | None:
-    """The key in an ``Authorization``-style value: ``Bearer <key>`` or a bare key; None if empty."""
-    if value is None:
-        return None
-    value = value.strip()
-    if value[:7].lower() == "bearer ":
-        value = value[7:].strip()
-    elif value.lower() == "bearer":
-        value = ""
-    return value or None
-
-
-# ----------------------------------------------------------------------------- file schema
 
 
 def _short(value: Any, n: int = 12) -> str:
@@ -315,9 +181,6 @@ def _format_validation_error(e: ValidationError) -> str:
     return "; ".join(parts)
 
 
-# ----------------------------------------------------------------------------- runtime view
-
-
 @dataclass(frozen=True, slots=True)
 class Tenant:
     """What an ingress needs about an authenticated tenant."""
@@ -350,9 +213,6 @@ def check_context(tenant: Tenant, prompt_tokens: int, max_tokens: int) -> None:
         raise BadRequestError(
             f"{prompt_tokens} prompt tokens + {max_tokens} max output tokens = {total} exceeds tenant "
             f"{tenant.name!r} max_context of {tenant.max_context}", code="context_length_exceeded", param="max_tokens")
-
-
-# ----------------------------------------------------------------------------- registry
 
 
 def _file_signature(path: Path) -> tuple[int, int, int] | None:
@@ -565,172 +425,3 @@ def default_dev_tenants(path: str | os.PathLike, api_key: str | None = None) -> 
     reg.save(path)
     log.info("created tenants file %s with tenant 'dev'", path)
     return reg, (None if api_key else key)
-
-
-# ----------------------------------------------------------------------------- rate limiting
-
-
-class _Window:
-    """Admissions of one tenant in the last ``WINDOW_S`` seconds: entries [time, tokens, id]."""
-
-    __slots__ = ("entries", "tokens")
-
-    def __init__(self) -> None:
-        self.entries: collections.deque[list] = collections.deque()
-        self.tokens = 0
-
-    def expire(self, now: float) -> None:
-        while self.entries and now - self.entries[0][0] >= WINDOW_S:
-            self.tokens -= self.entries.popleft()[1]
-
-
-def _wait_until_expired(t0: float, now: float) -> float:
-    """Seconds from ``now`` until an admission made at ``t0`` leaves the window.
-
-    Rounded up to the next float where needed, so that ``now + wait`` really is past the
-    window edge (``(now + wait) - t0 >= WINDOW_S``, the test :meth:`_Window.expire` applies).
-    """
-    wait = max(t0 + WINDOW_S - now, 0.0)
-    while (now + wait) - t0 < WINDOW_S:
-        wait = math.nextafter(wait, math.inf)
-    return wait
-
-
-class RateLimiter:
-    """Per-tenant requests/min and tokens/min limits over a sliding 60 s window.
-
-    Each admitted request takes one unit of the tenant's request budget and ``tokens`` units
-    of its token budget; those units come back exactly 60 s after they were taken, so capacity
-    returns continuously as old admissions age out. This guarantees what the limits promise:
-    in *any* 60 s window a tenant is admitted at most ``requests_per_minute`` requests and
-    ``tokens_per_minute`` tokens. (A token bucket refilled at a constant rate with a full
-    minute of burst would admit up to twice that in a window; one without burst would refuse
-    short bursts well under the limit.) ``retry_after_s`` is exact: the moment enough units
-    come back.
-
-    Limits are read from the :class:`Tenant` on every call, so reloaded limits apply at once.
-    Thread-safe. ``clock`` (seconds, monotonic) is injectable for tests.
-    """
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._windows: dict[str, _Window] = {}
-        self._ids = itertools.count(1)
-
-    def acquire(self, tenant: Tenant, tokens: int) -> int:
-        """Admit one request reserving ``tokens`` (prompt + max output tokens) or raise.
-
-        Raises :class:`RateLimitedError` (429) naming the limit that is exhausted, and
-        :class:`BadRequestError` (400) when ``tokens`` exceeds ``tokens_per_minute`` (that
-        request could never be admitted, so 429 + retry would loop forever). Returns a
-        reservation id that :meth:`refund` accepts (callers may ignore it).
-        """
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-            raise ValueError(f"tokens must be a non-negative integer, got {tokens!r}")
-        rpm, tpm = tenant.requests_per_minute, tenant.tokens_per_minute
-        if tokens > tpm:
-            raise BadRequestError(
-                f"request reserves {tokens} tokens (prompt + max output tokens), more than tenant "
-                f"{tenant.name!r} may use in a minute ({tpm} tokens per minute); lower max_tokens or the prompt",
-                param="max_tokens")
-        with self._lock:
-            now = self._clock()
-            w = self._windows.setdefault(tenant.name, _Window())
-            w.expire(now)
-            waits = []
-            if len(w.entries) >= rpm:
-                # the (len - rpm + 1)-th oldest admission must leave the window
-                t0 = w.entries[len(w.entries) - rpm][0]
-                waits.append((_wait_until_expired(t0, now),
-                              f"requests per minute: {len(w.entries)} of {rpm} requests used in the last 60 s"))
-            if w.tokens + tokens > tpm:
-                need, freed = w.tokens + tokens - tpm, 0
-                for t0, n, _ in w.entries:
-                    freed += n
-                    if freed >= need:
-                        break
-                waits.append((_wait_until_expired(t0, now),
-                              f"tokens per minute: {w.tokens} of {tpm} tokens used in the last 60 s, "
-                              f"request reserves {tokens}"))
-            if waits:
-                wait, what = max(waits, key=lambda x: x[0])
-                raise RateLimitedError(
-                    f"rate limit exceeded for tenant {tenant.name!r} ({what}); retry after {wait:.3f} s",
-                    retry_after_s=wait)
-            rid = next(self._ids)
-            w.entries.append([now, tokens, rid])
-            w.tokens += tokens
-            return rid
-
-    def refund(self, tenant: Tenant | str, tokens: int, reservation: int | None = None) -> int:
-        """Give back reserved tokens that were not used (fewer output tokens than reserved).
-
-        With the ``reservation`` id from :meth:`acquire` the refund goes to that admission (and
-        is a no-op once it left the window). Without one it goes to the oldest admissions first,
-        the conservative choice: the returned capacity is available for the shortest time.
-        Returns the number of tokens actually credited.
-        """
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-            raise ValueError(f"tokens must be a non-negative integer, got {tokens!r}")
-        name = tenant if isinstance(tenant, str) else tenant.name
-        with self._lock:
-            w = self._windows.get(name)
-            if w is None or tokens == 0:
-                return 0
-            w.expire(self._clock())
-            entries = [e for e in w.entries if e[2] == reservation] if reservation is not None else w.entries
-            left = tokens
-            for e in entries:
-                take = min(e[1], left)
-                e[1] -= take
-                left -= take
-                if not left:
-                    break
-            w.tokens -= tokens - left
-            return tokens - left
-
-    def usage(self, tenant: Tenant | str) -> tuple[int, int]:
-        """``(requests, tokens)`` admitted to ``tenant`` in the current 60 s window."""
-        name = tenant if isinstance(tenant, str) else tenant.name
-        with self._lock:
-            w = self._windows.get(name)
-            if w is None:
-                return 0, 0
-            w.expire(self._clock())
-            return len(w.entries), w.tokens
-
-
-# ----------------------------------------------------------------------------- usage
-
-
-class UsageCounter:
-    """Per-tenant totals since start: requests, tokens and errors by HTTP status. Thread-safe."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counts: dict[str, dict[str, Any]] = {}
-
-    def record(self, tenant: Tenant | str, *, prompt_tokens: int = 0, completion_tokens: int = 0,
-               cached_tokens: int = 0, status: int = 200, error: bool = False) -> None:
-        """Count one request; ``status`` >= 400 also counts an error under that status.
-
-        ``error=True`` with a success status (a failure after the response started, e.g. a
-        stream cut off) counts an error under ``"unknown"``.
-        """
-        name = tenant if isinstance(tenant, str) else tenant.name
-        key = str(status) if status >= 400 else ("unknown" if error else None)
-        with self._lock:
-            c = self._counts.setdefault(name, {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0,
-                                               "cached_tokens": 0, "errors": {}})
-            c["requests"] += 1
-            c["prompt_tokens"] += prompt_tokens
-            c["completion_tokens"] += completion_tokens
-            c["cached_tokens"] += cached_tokens
-            if key is not None:
-                c["errors"][key] = c["errors"].get(key, 0) + 1
-
-    def snapshot(self) -> dict[str, dict[str, Any]]:
-        """``{tenant: {requests, prompt_tokens, completion_tokens, cached_tokens, errors: {"429": n, ...}}}`` (a copy)."""
-        with self._lock:
-            return {name: {**c, "errors": dict(c["errors"])} for name, c in self._counts.items()}

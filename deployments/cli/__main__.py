@@ -1,0 +1,5 @@
+import sys
+
+from deployments.cli.main import main
+
+sys.exit(main())

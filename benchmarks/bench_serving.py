@@ -698,7 +698,7 @@ def main_expert_pool_only(args) -> int:
 
 
 # -- main --------------------------------------------------------------------------------------
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=2, help="interleaved repetitions of the overhead comparison")
@@ -711,188 +711,199 @@ def main() -> int:
     ap.add_argument("--standard", action="append", default=[], metavar="FIELD=VALUE",
                     help="override a field of the standard pool's PoolConfig, e.g. --standard stream_interval_ms=0 "
                          "(repeatable; default: PoolConfig's defaults)")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    if args.only == "d":
-        return main_expert_pool_only(args)
-    t_start = time.perf_counter()
-    M = args.max_tokens
+    return ap.parse_args()
 
-    import ray
+
+def platform_configs(args, tmp: str):
+    """``(config, pool_config, key)``: the ``deltaserve`` app's config (both pools, ``--no-cache`` and
+    ``--standard`` applied), the ``pool-mode`` app's (standard pool, experts in shards) and the key of
+    a tenant written to ``tmp``'s tenants file with both pools and limits the benchmark never reaches."""
+    from deployments.config import PlatformConfig, PoolConfig
+    from deployments.tenancy import TenantRegistry
+
+    reg = TenantRegistry()
+    _, key = reg.add("bench", pools=["standard", "highspeed"], rpm=1_000_000, tpm=1_000_000_000, max_context=8192)
+    reg.save(Path(tmp) / "tenants.yaml")
+    config = PlatformConfig(model=MODEL, model_name=NAME, tenants_file=str(Path(tmp) / "tenants.yaml"),
+                            http_port=find_free_port(), grpc_port=find_free_port(), num_slots=32, replica_num_cpus=0.05,
+                            torch_threads=1, trace_memory=True)  # spans kept in memory: a's phase timeline
+    if args.no_cache:
+        config = config.model_copy(update={"cache": config.cache.model_copy(update={"enabled": False})})
+    if args.standard:
+        fields = dict(item.split("=", 1) for item in args.standard)
+        std = PoolConfig.model_validate({**config.pools["standard"].model_dump(), **fields})
+        config = config.model_copy(update={"pools": {**config.pools, "standard": std}})
+    pool_config = config.model_copy(update={"expert_mode": "pool", "pools": {"standard": config.pools["standard"]}})
+    return config, pool_config, key
+
+
+def engine_batching_runs(model, tok, p32: list[str], M: int) -> tuple[list[dict], list[dict]]:
+    """b's engine side, before Ray and Serve exist (nothing else shares the CPU): two runs each of 1
+    and of 32 sequences, after a warm-up."""
+    b1, b32 = [], []
+    engine_run(model, tok, p32[:2], 8)  # warm-up
+    for _ in range(2):
+        b1.append(engine_run(model, tok, p32[:1], M))
+        b32.append(engine_run(model, tok, p32, M))
+    return b1, b32
+
+
+def start_serving(args, config, pool_config) -> float:
+    """Start Ray + Serve with ``deltaserve`` at ``/`` (and, unless ``--only a``, ``pool-mode`` at
+    ``/pool``); seconds until both serve."""
     from ray import serve
 
     from deployments.app import build_app
-    from deployments.config import PlatformConfig, PoolConfig
-    from deployments.workers.decode import Decode
+    from deployments.cli.up import start
+
+    print("starting Ray + Serve (deltaserve at /, pool-mode at /pool)...", flush=True)
+    t0 = time.perf_counter()
+    if args.only == "a":
+        start(config)
+    elif "extra_apps" in inspect.signature(start).parameters:  # deploys both apps declaratively
+        start(config, extra_apps=[("pool-mode", "/pool", pool_config)])
+    else:
+        start(config)
+        serve.run(build_app(pool_config), name="pool-mode", route_prefix="/pool")
+    startup_s = time.perf_counter() - t0
+    print(f"serving after {startup_s:.0f} s", flush=True)
+    return startup_s
+
+
+def warm_up(args, base: str, key: str, model, tok) -> None:
+    """Every path once: both pools over HTTP, pool mode (unless ``--only a``), the in-process engine."""
+    http_wave(base, key, [(NAME, "def f(x):\n"), (NAME + "-highspeed", "def g(y):\n")], 8)
+    if args.only != "a":
+        http_wave(base + "/pool", key, [(NAME, "def h(z):\n")], 8)
+    engine_run(model, tok, ["def w():\n"] * 2, 8)
+
+
+def section_a_sustained(base: str, key: str, model, tok, M: int) -> tuple[list[dict], list[dict]]:
+    """a'': 16 clients in a closed loop over 64 requests, HTTP vs the Engine the same way; two runs each."""
+    p64 = prompts(64, "s")
+    sus_http, sus_eng = [], []
+    for _ in range(2):
+        sus_http.append(http_closed_loop(base, key, p64, M))
+        sus_eng.append(engine_closed_loop(model, tok, p64, M))
+        print(f"a'' sustained: HTTP {sus_http[-1]['tokens_per_s']:.0f} tok/s, engine {sus_eng[-1]['tokens_per_s']:.0f}",
+              flush=True)
+    return sus_http, sus_eng
+
+
+def section_a(args, config, base: str, key: str, model, tok, M: int) -> dict:
+    """a (16 concurrent HTTP streams vs the in-process Engine), a' (the in-process Frontend with the
+    real Prefill/Decode classes) interleaved over ``--reps``, the phases from the platform's spans,
+    then a'' (:func:`section_a_sustained`) while a''s in-process replicas are still up."""
     from deployments.gateway.frontend import Frontend
+    from deployments.tenancy import TenantRegistry
+    from deployments.workers.decode import Decode
     from deployments.workers.local import LocalBackend
     from deployments.workers.prefill import Prefill
-    from deployments.tenancy import TenantRegistry
-    from deployments.cli.up import start
-    from tests.conftest import local_ray_env
 
-    tok = load_tokenizer(MODEL)
-    model = load_model(MODEL)
-    res: dict = {}
-    with local_ray_env(), tempfile.TemporaryDirectory(prefix="bench_serving_") as tmp:
-        reg = TenantRegistry()
-        _, key = reg.add("bench", pools=["standard", "highspeed"], rpm=1_000_000, tpm=1_000_000_000, max_context=8192)
-        reg.save(Path(tmp) / "tenants.yaml")
-        config = PlatformConfig(model=MODEL, model_name=NAME, tenants_file=str(Path(tmp) / "tenants.yaml"),
-                                http_port=find_free_port(), grpc_port=find_free_port(), num_slots=32, replica_num_cpus=0.05,
-                                torch_threads=1, trace_memory=True)  # spans kept in memory: a's phase timeline
-        if args.no_cache:
-            config = config.model_copy(update={"cache": config.cache.model_copy(update={"enabled": False})})
-        if args.standard:
-            fields = dict(item.split("=", 1) for item in args.standard)
-            std = PoolConfig.model_validate({**config.pools["standard"].model_dump(), **fields})
-            config = config.model_copy(update={"pools": {**config.pools, "standard": std}})
-        pool_config = config.model_copy(update={"expert_mode": "pool", "pools": {"standard": config.pools["standard"]}})
-        base = f"http://127.0.0.1:{config.http_port}"
-        # b's engine side first, before Ray and Serve exist: nothing else shares the CPU with 1 vs 32 sequences
-        p32 = prompts(32, "b")
-        b1, b32 = [], []
-        if args.only is None:
-            engine_run(model, tok, p32[:2], 8)  # warm-up
-            for _ in range(2):
-                b1.append(engine_run(model, tok, p32[:1], M))
-                b32.append(engine_run(model, tok, p32, M))
-        print("starting Ray + Serve (deltaserve at /, pool-mode at /pool)...", flush=True)
-        t0 = time.perf_counter()
-        try:
-            if args.only == "a":
-                start(config)
-            elif "extra_apps" in inspect.signature(start).parameters:  # deploys both apps declaratively
-                start(config, extra_apps=[("pool-mode", "/pool", pool_config)])
-            else:
-                start(config)
-                serve.run(build_app(pool_config), name="pool-mode", route_prefix="/pool")
-            res["startup_s"] = time.perf_counter() - t0
-            print(f"serving after {res['startup_s']:.0f} s", flush=True)
-            # warm-up: every path once
-            http_wave(base, key, [(NAME, "def f(x):\n"), (NAME + "-highspeed", "def g(y):\n")], 8)
-            if args.only != "a":
-                http_wave(base + "/pool", key, [(NAME, "def h(z):\n")], 8)
-            engine_run(model, tok, ["def w():\n"] * 2, 8)
+    p16 = prompts(16, "a")
+    pre = {"standard": Prefill(config, "standard")}
+    dec = {"standard": Decode(config, "standard")}
+    frontend = Frontend(model_name=NAME, pools=["standard"], tokenizer=tok,
+                        registry=TenantRegistry.from_file(config.tenants_file),
+                        backend=LocalBackend(pre, dec), max_model_len=config.max_model_len)
+    loop = asyncio.new_event_loop()
+    local_frontend_run(loop, frontend, key, ["def w():\n"] * 2, 8)  # warm-up
+    a_http, a_eng, a_local, a_bs, a_step = [], [], [], [], []
+    a_cpu: list[dict] = []
+    for rep in range(args.reps):
+        s0, c0 = decode_stats("deltaserve", "standard"), cpu_by_component()
+        a_http.append(http_wave(base, key, [(NAME, p) for p in p16], M))
+        a_cpu.append(cpu_delta(c0, cpu_by_component()))
+        s1 = decode_stats("deltaserve", "standard")
+        a_bs.append(batch_size(s0, s1))
+        a_step.append(step_times(s0, s1))
+        a_eng.append(engine_run(model, tok, p16, M))
+        a_local.append(local_frontend_run(loop, frontend, key, p16, M))
+        print(f"a[{rep}] HTTP {a_http[-1]['tokens_per_s']:.0f} tok/s, engine {a_eng[-1]['tokens_per_s']:.0f}, "
+              f"in-process frontend {a_local[-1]['tokens_per_s']:.0f}", flush=True)
+    spans = fetch_spans()
+    a_phases = [p for w in a_http if (p := wave_phases(w, spans)) is not None]
+    sus_http, sus_eng = section_a_sustained(base, key, model, tok, M)
+    for replica in (*pre.values(), *dec.values()):
+        loop.run_until_complete(replica.async_engine.shutdown())
+    loop.close()
+    del pre, dec, frontend
+    same_text = sum(h == e for h, e in zip([r["text"] for r in a_http[-1]["requests"]], a_eng[-1]["texts"]))
+    a_http_tps = statistics.median(w["tokens_per_s"] for w in a_http)
+    a_eng_tps = statistics.median(w["tokens_per_s"] for w in a_eng)
+    a_local_tps = statistics.median(w["tokens_per_s"] for w in a_local)
+    return {"http_tokens_per_s": a_http_tps, "engine_tokens_per_s": a_eng_tps,
+            "local_frontend_tokens_per_s": a_local_tps, "ratio": a_http_tps / a_eng_tps,
+            "ratio_local": a_local_tps / a_eng_tps, "http_runs": [w["tokens_per_s"] for w in a_http],
+            "engine_runs": [w["tokens_per_s"] for w in a_eng], "local_runs": [w["tokens_per_s"] for w in a_local],
+            "http_texts_equal_engine": f"{same_text}/16", "decode_replica_avg_batch": a_bs,
+            "decode_replica_step_ms": [x[0] for x in a_step], "decode_replica_step_cpu_share": [x[1] for x in a_step],
+            "engine_decode_step_ms": [w["decode_step_ms"] for w in a_eng],
+            "http_ttft_p50_s": pct([r["ttft"] for w in a_http for r in w["requests"]], 50),
+            "stream_interval_ms": config.pools["standard"].stream_interval_ms,
+            "http_chunks_per_request_p50": pct([r["chunks"] for w in a_http for r in w["requests"]], 50),
+            "http_wall_s": [w["wall_s"] for w in a_http], "engine_cpu_s": [w["cpu_s"] for w in a_eng],
+            "http_cpu_s_by_component": a_cpu, "tokens_per_wave": a_http[-1]["tokens"],
+            "http_phases_ms": a_phases,
+            "engine_first_tokens_s": statistics.median(w["first_tokens_s"] for w in a_eng),
+            "engine_wall_s": statistics.median(w["wall_s"] for w in a_eng),
+            "sustained_http_runs": [w["tokens_per_s"] for w in sus_http],
+            "sustained_engine_runs": [w["tokens_per_s"] for w in sus_eng],
+            "sustained_ratio": statistics.median(w["tokens_per_s"] for w in sus_http)
+            / statistics.median(w["tokens_per_s"] for w in sus_eng),
+            "sustained_texts_equal": f"{sum(h == e for h, e in zip(sus_http[-1]['texts'], sus_eng[-1]['texts']))}/64"}
 
-            # a. serving overhead, 16 concurrent ------------------------------------------------
-            p16 = prompts(16, "a")
-            pre = {"standard": Prefill(config, "standard")}
-            dec = {"standard": Decode(config, "standard")}
-            frontend = Frontend(model_name=NAME, pools=["standard"], tokenizer=tok,
-                                registry=TenantRegistry.from_file(config.tenants_file),
-                                backend=LocalBackend(pre, dec), max_model_len=config.max_model_len)
-            loop = asyncio.new_event_loop()
-            local_frontend_run(loop, frontend, key, ["def w():\n"] * 2, 8)  # warm-up
-            a_http, a_eng, a_local, a_bs, a_step = [], [], [], [], []
-            a_cpu: list[dict] = []
-            for rep in range(args.reps):
-                s0, c0 = decode_stats("deltaserve", "standard"), cpu_by_component()
-                a_http.append(http_wave(base, key, [(NAME, p) for p in p16], M))
-                a_cpu.append(cpu_delta(c0, cpu_by_component()))
-                s1 = decode_stats("deltaserve", "standard")
-                a_bs.append(batch_size(s0, s1))
-                a_step.append(step_times(s0, s1))
-                a_eng.append(engine_run(model, tok, p16, M))
-                a_local.append(local_frontend_run(loop, frontend, key, p16, M))
-                print(f"a[{rep}] HTTP {a_http[-1]['tokens_per_s']:.0f} tok/s, engine {a_eng[-1]['tokens_per_s']:.0f}, "
-                      f"in-process frontend {a_local[-1]['tokens_per_s']:.0f}", flush=True)
-            spans = fetch_spans()
-            a_phases = [p for w in a_http if (p := wave_phases(w, spans)) is not None]
-            # a''. sustained: 16 clients in a closed loop over 64 requests, HTTP vs the Engine the same way
-            p64 = prompts(64, "s")
-            sus_http, sus_eng = [], []
-            for _ in range(2):
-                sus_http.append(http_closed_loop(base, key, p64, M))
-                sus_eng.append(engine_closed_loop(model, tok, p64, M))
-                print(f"a'' sustained: HTTP {sus_http[-1]['tokens_per_s']:.0f} tok/s, engine {sus_eng[-1]['tokens_per_s']:.0f}",
-                      flush=True)
-            for replica in (*pre.values(), *dec.values()):
-                loop.run_until_complete(replica.async_engine.shutdown())
-            loop.close()
-            del pre, dec, frontend
-            same_text = sum(h == e for h, e in zip([r["text"] for r in a_http[-1]["requests"]], a_eng[-1]["texts"]))
-            a_http_tps = statistics.median(w["tokens_per_s"] for w in a_http)
-            a_eng_tps = statistics.median(w["tokens_per_s"] for w in a_eng)
-            a_local_tps = statistics.median(w["tokens_per_s"] for w in a_local)
-            res["a"] = {"http_tokens_per_s": a_http_tps, "engine_tokens_per_s": a_eng_tps,
-                        "local_frontend_tokens_per_s": a_local_tps, "ratio": a_http_tps / a_eng_tps,
-                        "ratio_local": a_local_tps / a_eng_tps, "http_runs": [w["tokens_per_s"] for w in a_http],
-                        "engine_runs": [w["tokens_per_s"] for w in a_eng], "local_runs": [w["tokens_per_s"] for w in a_local],
-                        "http_texts_equal_engine": f"{same_text}/16", "decode_replica_avg_batch": a_bs,
-                        "decode_replica_step_ms": [x[0] for x in a_step], "decode_replica_step_cpu_share": [x[1] for x in a_step],
-                        "engine_decode_step_ms": [w["decode_step_ms"] for w in a_eng],
-                        "http_ttft_p50_s": pct([r["ttft"] for w in a_http for r in w["requests"]], 50),
-                        "stream_interval_ms": config.pools["standard"].stream_interval_ms,
-                        "http_chunks_per_request_p50": pct([r["chunks"] for w in a_http for r in w["requests"]], 50),
-                        "http_wall_s": [w["wall_s"] for w in a_http], "engine_cpu_s": [w["cpu_s"] for w in a_eng],
-                        "http_cpu_s_by_component": a_cpu, "tokens_per_wave": a_http[-1]["tokens"],
-                        "http_phases_ms": a_phases,
-                        "engine_first_tokens_s": statistics.median(w["first_tokens_s"] for w in a_eng),
-                        "engine_wall_s": statistics.median(w["wall_s"] for w in a_eng),
-                        "sustained_http_runs": [w["tokens_per_s"] for w in sus_http],
-                        "sustained_engine_runs": [w["tokens_per_s"] for w in sus_eng],
-                        "sustained_ratio": statistics.median(w["tokens_per_s"] for w in sus_http)
-                        / statistics.median(w["tokens_per_s"] for w in sus_eng),
-                        "sustained_texts_equal": f"{sum(h == e for h, e in zip(sus_http[-1]['texts'], sus_eng[-1]['texts']))}/64"}
-            if args.only == "a":
-                print_section_a(res["a"], args)
-                return 0
 
-            # b. continuous batching, 32 vs 1 (in-process; then HTTP) ---------------------------
-            e1 = statistics.median(r["decode_tokens_per_s"] for r in b1)
-            e32 = statistics.median(r["decode_tokens_per_s"] for r in b32)
-            e1c = statistics.median(r["decode_tokens_per_s_cpu"] for r in b1)
-            e32c = statistics.median(r["decode_tokens_per_s_cpu"] for r in b32)
-            print(f"b engine decode tok/s: 1 -> {e1:.0f}, 32 -> {e32:.0f} ({e32 / e1:.2f}x)", flush=True)
-            h1 = http_wave(base, key, [(NAME, p32[0])], M)
-            s0 = decode_stats("deltaserve", "standard")
-            h32 = http_wave(base, key, [(NAME, p) for p in p32], M)
-            h32_bs = batch_size(s0, decode_stats("deltaserve", "standard"))
-            print(f"b HTTP decode tok/s: 1 -> {h1['decode_tokens_per_s']:.0f}, 32 -> {h32['decode_tokens_per_s']:.0f}",
-                  flush=True)
-            res["b"] = {"engine_1": e1, "engine_32": e32, "ratio": e32 / e1, "engine_1_cpu": e1c, "engine_32_cpu": e32c,
-                        "ratio_cpu": e32c / e1c, "engine_step_ms_1": statistics.median(r["decode_step_ms"] for r in b1),
-                        "engine_step_ms_32": statistics.median(r["decode_step_ms"] for r in b32),
-                        "http_1": h1["decode_tokens_per_s"], "http_32": h32["decode_tokens_per_s"],
-                        "http_ratio": h32["decode_tokens_per_s"] / h1["decode_tokens_per_s"],
-                        "http_32_end_to_end_tokens_per_s": h32["tokens_per_s"], "http_32_decode_replica_avg_batch": h32_bs}
+def section_b(b1: list[dict], b32: list[dict], base: str, key: str, p32: list[str], M: int) -> tuple[dict, dict]:
+    """b: the engine's 32-vs-1 decode ratio (runs from :func:`engine_batching_runs`), then the same
+    through HTTP; returns ``(b, h32)``, the 32-stream HTTP wave being d's colocated side."""
+    e1 = statistics.median(r["decode_tokens_per_s"] for r in b1)
+    e32 = statistics.median(r["decode_tokens_per_s"] for r in b32)
+    e1c = statistics.median(r["decode_tokens_per_s_cpu"] for r in b1)
+    e32c = statistics.median(r["decode_tokens_per_s_cpu"] for r in b32)
+    print(f"b engine decode tok/s: 1 -> {e1:.0f}, 32 -> {e32:.0f} ({e32 / e1:.2f}x)", flush=True)
+    h1 = http_wave(base, key, [(NAME, p32[0])], M)
+    s0 = decode_stats("deltaserve", "standard")
+    h32 = http_wave(base, key, [(NAME, p) for p in p32], M)
+    h32_bs = batch_size(s0, decode_stats("deltaserve", "standard"))
+    print(f"b HTTP decode tok/s: 1 -> {h1['decode_tokens_per_s']:.0f}, 32 -> {h32['decode_tokens_per_s']:.0f}",
+          flush=True)
+    b = {"engine_1": e1, "engine_32": e32, "ratio": e32 / e1, "engine_1_cpu": e1c, "engine_32_cpu": e32c,
+         "ratio_cpu": e32c / e1c, "engine_step_ms_1": statistics.median(r["decode_step_ms"] for r in b1),
+         "engine_step_ms_32": statistics.median(r["decode_step_ms"] for r in b32),
+         "http_1": h1["decode_tokens_per_s"], "http_32": h32["decode_tokens_per_s"],
+         "http_ratio": h32["decode_tokens_per_s"] / h1["decode_tokens_per_s"],
+         "http_32_end_to_end_tokens_per_s": h32["tokens_per_s"], "http_32_decode_replica_avg_batch": h32_bs}
+    return b, h32
 
-            # d (HTTP part, next to the colocated 32-stream wave above) ---------------------------
-            if not args.skip_http_pool:
-                res["d_http"] = expert_pool_http(base, key, p32, M, h32)
 
-            # c. mixed load: 24 standard + 4 highspeed ------------------------------------------
-            waves = []
-            for w in range(2):
-                specs = [(NAME, p) for p in prompts(24, f"cs{w}")] + [(NAME + "-highspeed", p) for p in prompts(4, f"ch{w}")]
-                s_std, s_hs = decode_stats("deltaserve", "standard"), decode_stats("deltaserve", "highspeed")
-                waves.append(http_wave(base, key, specs, M, continuous=True))  # TPOT counts tokens per chunk
-                waves[-1]["batch"] = {"standard": batch_size(s_std, decode_stats("deltaserve", "standard")),
-                                      "highspeed": batch_size(s_hs, decode_stats("deltaserve", "highspeed"))}
-            lat = {}
-            for pool, mid in (("standard", NAME), ("highspeed", NAME + "-highspeed")):
-                rs = [r for w in waves for r in w["requests"] if r["model"] == mid]
-                lat[pool] = {"n": len(rs)}
-                for k in ("ttft", "tpot", "server_ttft", "server_tpot"):
-                    vals = [r[k] for r in rs if r[k] is not None]
-                    lat[pool][f"{k}_p50_ms"] = 1e3 * pct(vals, 50)
-                    lat[pool][f"{k}_p95_ms"] = 1e3 * pct(vals, 95)
-                lat[pool]["decode_replica_avg_batch"] = [w["batch"][pool] for w in waves]
-            res["c"] = lat
-            print(f"c TPOT p50 ms: standard {lat['standard']['tpot_p50_ms']:.1f}, highspeed "
-                  f"{lat['highspeed']['tpot_p50_ms']:.1f}", flush=True)
+def section_c(base: str, key: str, M: int) -> dict:
+    """c: two waves of 24 standard + 4 highspeed streams; per pool TTFT/TPOT percentiles (client and
+    ``usage.timings``) and the decode replicas' average batch."""
+    waves = []
+    for w in range(2):
+        specs = [(NAME, p) for p in prompts(24, f"cs{w}")] + [(NAME + "-highspeed", p) for p in prompts(4, f"ch{w}")]
+        s_std, s_hs = decode_stats("deltaserve", "standard"), decode_stats("deltaserve", "highspeed")
+        waves.append(http_wave(base, key, specs, M, continuous=True))  # TPOT counts tokens per chunk
+        waves[-1]["batch"] = {"standard": batch_size(s_std, decode_stats("deltaserve", "standard")),
+                              "highspeed": batch_size(s_hs, decode_stats("deltaserve", "highspeed"))}
+    lat = {}
+    for pool, mid in (("standard", NAME), ("highspeed", NAME + "-highspeed")):
+        rs = [r for w in waves for r in w["requests"] if r["model"] == mid]
+        lat[pool] = {"n": len(rs)}
+        for k in ("ttft", "tpot", "server_ttft", "server_tpot"):
+            vals = [r[k] for r in rs if r[k] is not None]
+            lat[pool][f"{k}_p50_ms"] = 1e3 * pct(vals, 50)
+            lat[pool][f"{k}_p95_ms"] = 1e3 * pct(vals, 95)
+        lat[pool]["decode_replica_avg_batch"] = [w["batch"][pool] for w in waves]
+    print(f"c TPOT p50 ms: standard {lat['standard']['tpot_p50_ms']:.1f}, highspeed "
+          f"{lat['highspeed']['tpot_p50_ms']:.1f}", flush=True)
+    return lat
 
-            # d. expert pool vs colocated, in-process with the real expert-pool deployments ------------
-            res["d"] = expert_pool_in_process(model, tok, p32, max(16, M // 2), "pool-mode", pool_config.expert_shards)
-        finally:
-            serve.shutdown()
-            ray.shutdown()
-    res["elapsed_s"] = time.perf_counter() - t_start
 
-    # -- report -------------------------------------------------------------------------------------
+def report_rows(res: dict) -> list[dict]:
+    """The report table: one row per ratio of a, a', a'', b, c and d, numbers rounded to 3 figures."""
     a, b, c, d = res["a"], res["b"], res["c"], res["d"]
-    dh = res.get("d_http")
     rows = [
         {"measurement": "a. 16 streams: HTTP vs in-process Engine (tokens/s, end to end)", "platform": a["http_tokens_per_s"],
          "in_process": a["engine_tokens_per_s"], "ratio": a["ratio"], "target": ">= 0.8", "met": a["ratio"] >= 0.8},
@@ -910,12 +921,16 @@ def main() -> int:
         {"measurement": "c. mixed 24+4: TPOT p50 ms, standard vs highspeed (client)", "platform": c["standard"]["tpot_p50_ms"],
          "in_process": c["highspeed"]["tpot_p50_ms"], "ratio": c["standard"]["tpot_p50_ms"] / c["highspeed"]["tpot_p50_ms"],
          "target": "highspeed lower", "met": c["highspeed"]["tpot_p50_ms"] < c["standard"]["tpot_p50_ms"]},
-        *expert_pool_rows(d, dh),
+        *expert_pool_rows(d, res.get("d_http")),
     ]
     for r in rows:
         for k in ("platform", "in_process", "ratio"):
             r[k] = r3(r[k])
+    return rows
 
+
+def latency_lines(c: dict) -> list[str]:
+    """c's per-pool latency table (markdown)."""
     lat_lines = ["| pool | requests | TTFT p50 ms | TTFT p95 ms | TPOT p50 ms | TPOT p95 ms | usage TTFT p50 | usage TTFT p95 | "
                  "usage TPOT p50 | usage TPOT p95 | decode replica avg batch |", "|" + "---|" * 11]
     for pool in ("standard", "highspeed"):
@@ -924,21 +939,32 @@ def main() -> int:
                          f"{L['tpot_p95_ms']:.1f} | {L['server_ttft_p50_ms']:.0f} | {L['server_ttft_p95_ms']:.0f} | "
                          f"{L['server_tpot_p50_ms']:.1f} | {L['server_tpot_p95_ms']:.1f} | "
                          f"{', '.join(f'{x:.1f}' for x in L['decode_replica_avg_batch'] if x is not None)} |")
+    return lat_lines
+
+
+def cpu_lines(a: dict) -> list[str]:
+    """a's CPU time per process during the HTTP waves, next to the in-process Engine's (markdown)."""
     comps = sorted({k for dct in a["http_cpu_s_by_component"] for k in dct},
                    key=lambda k: -statistics.fmean(dct.get(k, 0.0) for dct in a["http_cpu_s_by_component"]))
     ntok = a["tokens_per_wave"]
-    cpu_lines = ["| process (16-stream HTTP wave) | CPU s per wave | CPU ms per output token |", "|---|---|---|"]
+    lines = ["| process (16-stream HTTP wave) | CPU s per wave | CPU ms per output token |", "|---|---|---|"]
     for k in comps:
         v = statistics.fmean(dct.get(k, 0.0) for dct in a["http_cpu_s_by_component"])
         if v >= 0.005:
-            cpu_lines.append(f"| {k} | {v:.2f} | {1e3 * v / ntok:.2f} |")
+            lines.append(f"| {k} | {v:.2f} | {1e3 * v / ntok:.2f} |")
     cpu_total = statistics.fmean(sum(dct.values()) for dct in a["http_cpu_s_by_component"])
     http_wall = statistics.fmean(a["http_wall_s"])
-    cpu_lines.append(f"| **all** (wave wall time {http_wall:.2f} s x 2 cores = {2 * http_wall:.2f} CPU s available) | "
-                     f"{cpu_total:.2f} | {1e3 * cpu_total / ntok:.2f} |")
-    cpu_lines.append(f"| in-process Engine, same 16 requests | {statistics.fmean(a['engine_cpu_s']):.2f} | "
-                     f"{1e3 * statistics.fmean(a['engine_cpu_s']) / ntok:.2f} |")
-    notes = "\n".join([
+    lines.append(f"| **all** (wave wall time {http_wall:.2f} s x 2 cores = {2 * http_wall:.2f} CPU s available) | "
+                 f"{cpu_total:.2f} | {1e3 * cpu_total / ntok:.2f} |")
+    lines.append(f"| in-process Engine, same 16 requests | {statistics.fmean(a['engine_cpu_s']):.2f} | "
+                 f"{1e3 * statistics.fmean(a['engine_cpu_s']) / ntok:.2f} |")
+    return lines
+
+
+def report_notes(res: dict, M: int) -> str:
+    """The report's prose: the setup, then a, a'', b, c and d with their figures."""
+    a, b, c, d = res["a"], res["b"], res["c"], res["d"]
+    return "\n".join([
         f"tiny-k3 (random weights), greedy, {M} new tokens per request (d in-process: {d['decode_tokens_per_request']}), "
         f"ignore_eos, torch 1 thread everywhere, one replica per deployment, replica_num_cpus 0.05; 2 shared CPU "
         f"cores (load average {os.getloadavg()[0]:.1f} at the end; other jobs were running). Serve up in "
@@ -953,7 +979,7 @@ def main() -> int:
         f"per step during the HTTP waves (the in-process Engine: 16). CPU time of each process during the HTTP "
         f"waves (from /proc; mean of {len(a['http_cpu_s_by_component'])} waves):",
         "",
-        *cpu_lines,
+        *cpu_lines(a),
         "",
         "Where an HTTP wave's time goes, from the platform's own spans (`ingress`, `prefill`, `decode`; kept in "
         "memory, `trace_memory`) and the client's stamps:",
@@ -981,10 +1007,15 @@ def main() -> int:
         "(last chunk - first chunk) / tokens after the first chunk; "
         "`usage` columns: the platform's `usage.timings`, TPOT = 1 / output_tokens_per_s):",
         "",
-        *lat_lines,
+        *latency_lines(c),
         "",
-        *expert_pool_notes(d, dh),
+        *expert_pool_notes(d, res.get("d_http")),
     ])
+
+
+def write_serving_report(res: dict, rows: list[dict], notes: str, args) -> None:
+    """``serving.{json,md,png}`` (the ratios against their targets, plotted), ``details`` = ``res``."""
+    a, b, c, d = res["a"], res["b"], res["c"], res["d"]
 
     def plot(ax, _rows):
         names = ["a HTTP/engine", "b 32 vs 1", "d pool/colocated"]
@@ -1010,11 +1041,52 @@ def main() -> int:
     record["details"] = res
     Path(path).write_text(json.dumps(record, indent=2, default=str) + "\n")
 
+
+def main() -> int:
+    args = parse_args()
+    torch.set_num_threads(1)
+    if args.only == "d":
+        return main_expert_pool_only(args)
+    t_start = time.perf_counter()
+    M = args.max_tokens
+
+    import ray
+    from ray import serve
+
+    from tests.conftest import local_ray_env
+
+    tok = load_tokenizer(MODEL)
+    model = load_model(MODEL)
+    res: dict = {}
+    with local_ray_env(), tempfile.TemporaryDirectory(prefix="bench_serving_") as tmp:
+        config, pool_config, key = platform_configs(args, tmp)
+        base = f"http://127.0.0.1:{config.http_port}"
+        p32 = prompts(32, "b")
+        b1, b32 = engine_batching_runs(model, tok, p32, M) if args.only is None else ([], [])
+        try:
+            res["startup_s"] = start_serving(args, config, pool_config)
+            warm_up(args, base, key, model, tok)
+            res["a"] = section_a(args, config, base, key, model, tok, M)
+            if args.only == "a":
+                print_section_a(res["a"], args)
+                return 0
+            res["b"], h32 = section_b(b1, b32, base, key, p32, M)
+            if not args.skip_http_pool:  # d's HTTP part, next to b's colocated 32-stream wave
+                res["d_http"] = expert_pool_http(base, key, p32, M, h32)
+            res["c"] = section_c(base, key, M)
+            res["d"] = expert_pool_in_process(model, tok, p32, max(16, M // 2), "pool-mode", pool_config.expert_shards)
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+    res["elapsed_s"] = time.perf_counter() - t_start
+
+    rows = report_rows(res)
+    write_serving_report(res, rows, report_notes(res, M), args)
     print()
     for r in rows:
         print(f"{r['measurement'][:78]:78s} {r['platform']!s:>9s} {r['in_process']!s:>9s} ratio {r['ratio']!s:>7s} "
               f"target {r['target']:>15s} {r['met']}")
-    print("\n".join(lat_lines))
+    print("\n".join(latency_lines(res["c"])))
     print(f"elapsed {res['elapsed_s']:.0f} s")
     print(f"Reproduce: {COMMAND}")
     return 0

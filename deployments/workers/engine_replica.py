@@ -43,7 +43,10 @@ class EngineReplica:
         self.plan = CheckpointPlan(config.cache.block_size, config.cache.checkpoint_every)
 
     def stats(self) -> dict:
-        out = {"replica": self.replica, **vars(self.engine.stats), "native_kernels": self.engine.runner.native_kernels}
+        # running / waiting / free_slots: what a client that hung up must give back (tests/deployments/test_disconnect.py)
+        sched = self.engine.scheduler
+        out = {"replica": self.replica, **vars(self.engine.stats), "native_kernels": self.engine.runner.native_kernels,
+               "running": len(sched.running), "waiting": len(sched.waiting), "free_slots": self.engine.runner.num_free}
         if self.expert_pool is not None:
             out["expert_pool"] = self.expert_pool.stats()
         return out

@@ -1,0 +1,168 @@
+"""One `deltaserve up` subprocess for the end-to-end tests and benchmarks that need the whole platform.
+
+:func:`start_platform` writes a fresh tenants file with two tenants (``fuzz``: both pools and
+limits no test reaches; ``standard-only``: no highspeed, so its key gets 403 there), starts
+`deltaserve up` on free ports with its own Ray auth token, waits for the ready line and stops
+it with Ctrl-C (SIGINT) afterwards, as `make serve` is stopped. :class:`Platform` also finds
+the cluster's GCS address so a test can connect a Ray driver (Serve handles, actor lists).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from cache_service import find_free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "k3-tiny"
+MODELS = (MODEL, f"{MODEL}-highspeed")
+#: a prompt whose greedy continuation the fuzz and the soak compare before and after
+FIXED_PROMPT = "def fib(n):"
+
+
+@dataclass
+class Platform:
+    """A running `deltaserve up`."""
+
+    http_url: str  # http://127.0.0.1:<port> (routes under /v1)
+    grpc_target: str  # 127.0.0.1:<port>
+    key: str  # tenant "fuzz": both pools, limits far above any test's traffic
+    standard_only_key: str  # tenant "standard-only": standard pool only
+    proc: subprocess.Popen
+    ray_env: dict[str, str]  # RAY_AUTH_MODE / RAY_AUTH_TOKEN a driver needs to join the cluster
+    output: list[str] = field(default_factory=list)  # what `deltaserve up` printed so far
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"}
+
+    def descendants(self) -> list[int]:
+        """Pids of every process under `deltaserve up` (Ray's GCS, raylet, workers, replicas)."""
+        children: dict[int, list[int]] = {}
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    stat = Path(f"/proc/{d}/stat").read_text()
+                except OSError:
+                    continue
+                children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(d))
+        out, stack = [], [self.proc.pid]
+        while stack:
+            for c in children.get(stack.pop(), []):
+                out.append(c)
+                stack.append(c)
+        return out
+
+    def gcs_address(self) -> str:
+        """``host:port`` of this platform's GCS. Other Ray clusters may run on the machine (so Ray's
+        ``session_latest`` may not be this one's): the session directory and node address are read
+        from this platform's gcs_server command line, the port from the file the GCS writes there."""
+        for pid in self.descendants():
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            if not argv or not argv[0].endswith("gcs_server"):
+                continue
+            opts = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
+            port_files = list(Path(opts["session-dir"]).glob("gcs_server_port_*"))
+            if port_files:
+                return f"{opts['node-ip-address']}:{port_files[0].read_text().strip()}"
+        raise RuntimeError(f"no gcs_server with a port file under deltaserve up (pid {self.proc.pid})")
+
+    def greedy(self, model: str, prompt: str = FIXED_PROMPT, max_tokens: int = 12) -> str:
+        """The greedy completion of ``prompt`` on ``model`` (``max_tokens`` tokens, end-of-sequence ignored)."""
+        r = httpx.post(f"{self.http_url}/v1/completions", headers=self.auth, timeout=120,
+                       json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                             "ignore_eos": True})
+        assert r.status_code == 200, (model, r.status_code, r.text)
+        assert r.json()["usage"]["completion_tokens"] == max_tokens, r.text
+        return r.json()["choices"][0]["text"]
+
+
+@contextlib.contextmanager
+def ray_driver(platform: Platform) -> Iterator[None]:
+    """A Ray driver in this process, connected to ``platform``'s cluster (with its auth token)."""
+    import ray
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    saved = {k: os.environ.get(k) for k in (*platform.ray_env, "RAY_AUTH_TOKEN_PATH")}
+    os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+    os.environ.update(platform.ray_env)
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+    ray.init(address=platform.gcs_address(), log_to_driver=False, logging_level="ERROR")
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def write_tenants(path: Path) -> tuple[str, str]:
+    """A tenants file with ``fuzz`` (both pools) and ``standard-only``; returns their keys."""
+    from deployments.tenancy import TenantRegistry
+
+    reg = TenantRegistry(path=path)
+    _, key = reg.add("fuzz", pools=("standard", "highspeed"), rpm=10**7, tpm=10**10, max_context=8192)
+    _, standard_only = reg.add("standard-only", pools=("standard",), rpm=10**7, tpm=10**10, max_context=8192)
+    reg.save(path)
+    return key, standard_only
+
+
+@contextlib.contextmanager
+def start_platform(workdir: Path, *extra_args: str, timeout_s: float = 600) -> Iterator[Platform]:
+    """`deltaserve up` on free ports (``extra_args`` appended, e.g. ``--replicas decode-standard=2``),
+    yielded once its ready line and curl example are out; stopped with SIGINT, killed if it
+    has not exited 120 s later."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    key, standard_only = write_tenants(workdir / "tenants.yaml")
+    http_port, grpc_port = find_free_port(), find_free_port()
+    ray_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_") and k != "RAY_AUTH_TOKEN_PATH"}
+    env.update(ray_env)
+    env.update({"DELTASERVE_API_KEY": key,
+                "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deployments.cli.main", "up", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+         "--tenants", str(workdir / "tenants.yaml"), "--no-cache", "--expert-transport", "direct", *extra_args],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()
+    platform = Platform(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", key, standard_only, proc, ray_env)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not any(ln.lstrip().startswith("curl ") for ln in platform.output):
+            if proc.poll() is not None:
+                raise RuntimeError("deltaserve up exited early:\n" + "".join(platform.output))
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no ready line after {timeout_s:.0f} s:\n" + "".join(platform.output))
+            with contextlib.suppress(queue.Empty):
+                platform.output.append(lines.get(timeout=1))
+        yield platform
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+        while not lines.empty():
+            platform.output.append(lines.get())

@@ -12,7 +12,10 @@ states, plus ``ds:v1:stats:{tenant}`` counters.
 
 Codec (:mod:`cache_service.codec`): an MLA block or a KDA checkpoint is a versioned,
 checksummed, self-describing blob; decoding verifies model fingerprint, layer layout, dtypes
-and shapes, and any mismatch is a :class:`CorruptEntry` (drop it, count it, recompute).
+and shapes, and any mismatch is a :class:`CorruptEntry` (drop it, count it, recompute). In
+Redis every value is sealed with an HMAC keyed by the platform's secret
+(:class:`EntryMac`, :func:`load_cache_key`) and bound to its key: a forged, altered or moved
+entry is a :class:`ForgedEntry` (a miss, counted).
 Nothing read from Redis is ever unpickled.
 
 The request path uses :class:`PrefixCache` (:mod:`cache_service.client`): prefix lookup,
@@ -24,7 +27,11 @@ from .breaker import CircuitBreaker
 from .client import CacheKey, CacheSettings, Lookup, PrefixCache, Recorder, flush_cache
 from .codec import (
     CorruptEntry,
+    EntryMac,
+    ForgedEntry,
     Layout,
+    default_key_path,
+    load_cache_key,
     decode_kda_checkpoint,
     decode_mla_block,
     encode_kda_checkpoint,
@@ -47,6 +54,8 @@ __all__ = [
     "ByteLRU",
     "CircuitBreaker",
     "CorruptEntry",
+    "EntryMac",
+    "ForgedEntry",
     "Layout",
     "LocalRedisServer",
     "RedisStore",
@@ -55,6 +64,7 @@ __all__ = [
     "chain_hash",
     "check_tenant",
     "decode_kda_checkpoint",
+    "default_key_path",
     "decode_mla_block",
     "encode_kda_checkpoint",
     "encode_mla_block",
@@ -63,6 +73,7 @@ __all__ = [
     "format_stats",
     "handoff_key",
     "kda_key",
+    "load_cache_key",
     "key_kind",
     "mla_key",
     "root_hash",

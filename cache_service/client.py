@@ -1,6 +1,6 @@
 """The per-replica face of the cache: prefix lookup, checkpoint recording, handoff entries.
 
-    cache = PrefixCache(layout, store, CacheSettings())
+    cache = PrefixCache(layout, store, CacheSettings(), mac_key=load_cache_key(path))
     key = cache.key(tenant="acme", tenant_salt=salt, session_id="chat-42")
     hit = cache.lookup(key, token_ids)            # longest usable cached prefix, or None
     rec = cache.recorder(key, token_ids)          # then, as the engine cuts checkpoints:
@@ -10,6 +10,9 @@ Lookup finds the longest prefix (of at most ``len(token_ids) - 1`` tokens: the l
 is always computed, its logits are sampled) that ends at a KDA checkpoint and whose MLA
 blocks are all present, trying the session's last checkpoint first. Every entry is read
 from the in-replica LRU first, then Redis; a corrupt entry is counted, deleted and skipped.
+Values in Redis are sealed with the platform's key (:class:`EntryMac`): one read back whose tag
+does not verify (forged, altered, copied from another key) never reaches the decoder or the
+LRU: it is counted as ``forged`` (and ``corrupt``), deleted and treated as a miss.
 Writes never run on the caller's thread: they queue (bounded; a full queue drops and
 counts) for one writer thread that encodes and stores in the LRU and Redis. When Redis is
 down the store's circuit breaker answers "unavailable" at once: lookups miss, writes land
@@ -30,7 +33,8 @@ import torch
 
 from model.state import SequenceState
 
-from .codec import CorruptEntry, Layout, decode_kda_checkpoint, decode_mla_block, encode_kda_checkpoint, encode_mla_block
+from .codec import (CorruptEntry, EntryMac, ForgedEntry, Layout, decode_kda_checkpoint, decode_mla_block,
+                    encode_kda_checkpoint, encode_mla_block)
 from .hashing import block_hashes, chain_hash, root_hash
 from .keys import check_tenant, handoff_key, kda_key, key_kind, mla_key, session_key, stats_key
 from .lru import ByteLRU
@@ -90,9 +94,14 @@ class Lookup:
 
 
 class PrefixCache:
-    def __init__(self, layout: Layout, store: RedisStore | None, settings: CacheSettings | None = None) -> None:
+    """``mac_key`` is the platform's cache secret (:func:`cache_service.codec.load_cache_key`): every
+    replica sharing a Redis must be given the same one."""
+
+    def __init__(self, layout: Layout, store: RedisStore | None, settings: CacheSettings | None = None, *,
+                 mac_key: bytes) -> None:
         self.layout = layout
         self.store = store
+        self.mac = EntryMac(mac_key)
         self.settings = settings or CacheSettings()
         self.lru = ByteLRU(self.settings.lru_bytes)
         self.counters: Counter[str] = Counter()
@@ -194,10 +203,16 @@ class PrefixCache:
             return 0
         n = 0
         for k, v in zip(remote, values):
-            if v is not None:
-                into[k] = v
-                self.lru.put(k, v)
-                n += 1
+            if v is None:
+                continue
+            try:
+                blob = self.mac.open(k, v)
+            except ForgedEntry as e:
+                self._discard(k, into, e)
+                continue
+            into[k] = blob
+            self.lru.put(k, blob)
+            n += 1
         return n
 
     def _assemble(self, keys: list[str], got: dict[str, bytes], position: int) -> SequenceState | None:
@@ -221,13 +236,16 @@ class PrefixCache:
         return SequenceState(self.layout.fingerprint, position, kda, conv, mla)
 
     def _discard(self, k: str, got: dict[str, bytes], error: CorruptEntry) -> None:
-        log.warning("deltaserve cache: discarding corrupt entry %s: %s", k, error)
+        """Forget a bad entry everywhere and count it: ``corrupt``, and also ``forged`` when its tag failed."""
+        log.warning("deltaserve cache: discarding %s entry %s: %s",
+                    "forged" if isinstance(error, ForgedEntry) else "corrupt", k, error)
         got.pop(k, None)
         self.lru.pop(k)
         if self.store is not None:
             self.store.delete(k)
-        self._count(corrupt=1)
-        self.record_tenant(key_kind(k)[0], corrupt=1)
+        counts = {"corrupt": 1, "forged": 1} if isinstance(error, ForgedEntry) else {"corrupt": 1}
+        self._count(**counts)
+        self.record_tenant(key_kind(k)[0], **counts)
 
     # -- writes -----------------------------------------------------------------------
     def recorder(self, key: CacheKey, token_ids: Sequence[int]) -> "Recorder":
@@ -265,7 +283,7 @@ class PrefixCache:
         for k, v in items:
             self.lru.put(k, v)
         if self.store is not None and items:
-            ok = self.store.set_many(items, ttl_s)
+            ok = self.store.set_many([(k, self.mac.seal(k, v)) for k, v in items], ttl_s)
             self._count(redis_writes=len(items) if ok else 0, redis_write_bytes=sum(len(v) for _, v in items) if ok else 0,
                         redis_writes_skipped=0 if ok else len(items))
 
@@ -297,17 +315,26 @@ class PrefixCache:
 
     # -- handoff ------------------------------------------------------------------------
     def put_handoff(self, key: CacheKey, request_id: str, data: bytes) -> bool:
-        """Store a prefill → decode handoff synchronously (the decode side reads it next)."""
-        return self.store is not None and self.store.set(handoff_key(key.tenant, request_id), data, self.settings.handoff_ttl_s)
+        """Store a prefill → decode handoff synchronously (the decode side reads it next), sealed."""
+        if self.store is None:
+            return False
+        k = handoff_key(key.tenant, request_id)
+        return self.store.set(k, self.mac.seal(k, data), self.settings.handoff_ttl_s)
 
     def take_handoff(self, tenant: str, request_id: str) -> bytes | None:
-        """Read and delete a handoff entry; None when missing or Redis is unavailable."""
+        """Read and delete a handoff entry; None when missing, forged (counted) or Redis is unavailable."""
         if self.store is None:
             return None
         k = handoff_key(tenant, request_id)
-        data = self.store.get(k)
-        if data is not None:
-            self._submit(lambda: self.store.delete(k))
+        value = self.store.get(k)
+        if value is None:
+            return None
+        try:
+            data = self.mac.open(k, value)
+        except ForgedEntry as e:
+            self._discard(k, {}, e)
+            return None
+        self._submit(lambda: self.store.delete(k))
         return data
 
     # -- stats ------------------------------------------------------------------------

@@ -60,7 +60,7 @@ def _cache(args: argparse.Namespace) -> int:
     for name, stats in sorted(result.get("replicas", {}).items()):
         lru = stats.get("lru", {})
         print(f"{name} ({stats.get('replica', '?')}): lookups={stats.get('lookups', 0)} hits={stats.get('hits', 0)} "
-              f"hit_tokens={stats.get('hit_tokens', 0)} corrupt={stats.get('corrupt', 0)} "
+              f"hit_tokens={stats.get('hit_tokens', 0)} corrupt={stats.get('corrupt', 0)} forged={stats.get('forged', 0)} "
               f"breaker={stats.get('redis_breaker', '-')} lru={lru.get('entries', 0)} entries/{lru.get('bytes', 0)} B "
               f"pending_writes={stats.get('pending_writes', 0)} dropped_writes={stats.get('dropped_writes', 0)}")
     return 0 if result.get("available", True) else 1

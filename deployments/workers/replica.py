@@ -9,7 +9,7 @@ import torch
 
 from cache_service.breaker import CircuitBreaker
 from cache_service.client import CacheKey, CacheSettings, PrefixCache
-from cache_service.codec import Layout
+from cache_service.codec import Layout, default_key_path, load_cache_key
 from cache_service.store import RedisStore
 from model import load_model, load_tokenizer
 from model.config import ModelConfig
@@ -50,7 +50,8 @@ def redis_url(config: PlatformConfig) -> str | None:
 
 
 def make_cache(config: PlatformConfig, model_config: ModelConfig) -> PrefixCache | None:
-    """This replica's prefix cache (None when the cache is disabled)."""
+    """This replica's prefix cache (None when the cache is disabled), its Redis entries sealed with the
+    platform's key: ``$DELTASERVE_CACHE_KEY``, else the key file beside the tenants file (created on first use)."""
     cc = config.cache
     if not cc.enabled:
         return None
@@ -61,7 +62,8 @@ def make_cache(config: PlatformConfig, model_config: ModelConfig) -> PrefixCache
                            breaker=CircuitBreaker(cc.breaker_failures, cc.breaker_reset_s))
     return PrefixCache(Layout.from_config(model_config), store,
                        CacheSettings(block_size=cc.block_size, ttl_s=cc.ttl_s, session_ttl_s=cc.session_ttl_s,
-                                     lru_bytes=cc.lru_mib << 20))
+                                     lru_bytes=cc.lru_mib << 20),
+                       mac_key=load_cache_key(default_key_path(config.tenants_file)))
 
 
 def cache_key(cache: PrefixCache | None, req) -> CacheKey | None:

@@ -20,6 +20,7 @@ from model import load_model, load_tokenizer
 from model.runner import ModelRunner
 
 BS = 8
+KEY = bytes(range(32))  # the platform's cache secret, shared by every cache of a test
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def close_caches():
 
 def make_cache(model, url: str | None, **kw) -> PrefixCache:
     store = RedisStore(url, breaker=CircuitBreaker(2, 0.5)) if url else None
-    _OPEN.append(PrefixCache(Layout.from_config(model.config), store, CacheSettings(block_size=BS, **kw)))
+    _OPEN.append(PrefixCache(Layout.from_config(model.config), store, CacheSettings(block_size=BS, **kw), mac_key=KEY))
     return _OPEN[-1]
 
 

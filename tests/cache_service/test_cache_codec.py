@@ -17,6 +17,7 @@ from cache_service import (
 )
 from model.config import ModelConfig
 from model.presets import preset_config
+from cache_service.codec import CODEC_VERSION
 from model.state import CHECKSUM_BYTES, encode_tensors
 
 SMALL = Layout(
@@ -173,7 +174,8 @@ def test_kda_checkpoint_of_another_layout_is_rejected(change, message):
 
 def forged(meta_change: dict, tensors: list[tuple[str, torch.Tensor]]) -> bytes:
     """A well-formed, correctly checksummed blob with a header the reader must not trust."""
-    meta = {"kind": "kda_checkpoint", "fingerprint": SMALL.fingerprint, "kda_layers": [0, 2], "mla_layers": [1]}
+    meta = {"kind": "kda_checkpoint", "codec": CODEC_VERSION, "fingerprint": SMALL.fingerprint, "kda_layers": [0, 2],
+            "mla_layers": [1]}
     return encode_tensors(b"DSKC", {**meta, "position": 4, **meta_change}, tensors)
 
 
@@ -183,6 +185,7 @@ def test_forged_headers_are_rejected():
     decode_kda_checkpoint(SMALL, forged({}, good))
     cases = [
         (forged({"kind": "mla_block"}, good), "kind"),
+        (forged({"codec": 1}, good), "codec version 1, expected 2"),
         (forged({"position": -1}, good), "position"),
         (forged({"position": "4"}, good), "position"),
         (forged({}, good[:3]), "holds tensors"),
@@ -199,8 +202,9 @@ def test_header_is_json_with_the_layout():
     blob = encode_mla_block(SMALL, mla_rows(SMALL, 4))
     header = json.loads(blob[10 : header_end(blob)])
     assert blob[:4] == b"DSMB"
-    assert {k: header[k] for k in ("kind", "fingerprint", "kda_layers", "mla_layers", "block_size")} == {
+    assert {k: header[k] for k in ("kind", "codec", "fingerprint", "kda_layers", "mla_layers", "block_size")} == {
         "kind": "mla_block",
+        "codec": 2,
         "fingerprint": SMALL.fingerprint,
         "kda_layers": [0, 2],
         "mla_layers": [1],

@@ -14,6 +14,7 @@ read their latent cache in place.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -22,32 +23,98 @@ from .network import KimiForCausalLM
 from .state import BatchLayout, SequenceState, StatePool
 
 
+# Temperatures below this sample greedily. At 1e-5, logits 1e-3 apart are already e^-100
+# apart in probability: sampling there is greedy in effect except between near-exact ties, and
+# smaller temperatures (down to subnormal ones) would only drive logits / temperature to overflow.
+GREEDY_TEMPERATURE = 1e-5
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty are in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)
+MAX_LOGPROBS = 20  # most alternatives a sampled token's logprob comes with (OpenAI's top_logprobs limit)
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Greedy when temperature == 0."""
+    """How the next token is chosen from a step's logits. Validated on construction (ValueError
+    naming the value), so that every accepted value samples safely.
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
+    Order of application (as vLLM): penalties on the raw logits → logprobs (log-softmax of
+    the penalised logits, before temperature) → temperature (greedy below
+    :data:`GREEDY_TEMPERATURE`) → nucleus (top_p) → draw."""
+
+    temperature: float = 0.0  # finite, >= 0; below GREEDY_TEMPERATURE: greedy
+    top_p: float = 1.0  # in (0, 1]: sample from the smallest set of top tokens whose probability reaches top_p
+    seed: int | None = None  # in [SEED_MIN, SEED_MAX]: a reproducible stream (its own CPU generator)
+    presence_penalty: float = 0.0  # in [-2, 2]: subtracted from the logit of every token the output already has
+    frequency_penalty: float = 0.0  # in [-2, 2]: times the token's count in the output so far, subtracted from its logit
+    logprobs: int | None = None  # None: no logprobs; k in 0..20: each token's logprob and the top k alternatives
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [{-MAX_PENALTY}, {MAX_PENALTY}], got {value!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def sanitize(logits: torch.Tensor) -> torch.Tensor:
+    """float32 logits a draw can use: NaN → -inf (never a candidate), +inf → float32 max (a
+    certain candidate, tied with the others at +inf)."""
+    x = logits.float()
+    return torch.nan_to_num(x, nan=-math.inf, posinf=torch.finfo(torch.float32).max, neginf=-math.inf)
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] → the best token of each row [N] (NaN never wins; a row without a finite
+    logit gives token 0)."""
+    return sanitize(logits).argmax(-1)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits [N, V] → token ids [N] (argmax, or temperature + nucleus sampling)."""
-    if params.temperature == 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    """logits [N, V] → token ids [N]: greedy below :data:`GREEDY_TEMPERATURE`, else temperature +
+    nucleus sampling. Defined for any logits (NaN, ±inf, float32 extremes) and any accepted
+    params: the result is always a token id in 0..V-1, and ``multinomial`` only ever sees
+    finite, non-negative probabilities with a positive sum.
+
+    The scaled logits are computed after subtracting the row's maximum (so they are <= 0 and the
+    best token has probability >= 1/V) and in float64 (so a large temperature cannot overflow
+    float32 to inf: -inf / inf is NaN). A row with no finite logit is greedy (token 0). One draw
+    consumes the same randomness whatever the logits (the engine replays draws on zeros)."""
+    x = sanitize(logits)
+    if params.is_greedy:
+        return x.argmax(-1)
+    top = x.max(-1, keepdim=True).values  # [N, 1]
+    finite = top.isfinite()
+    scaled = torch.where(finite, x - top, 0.0).double() / params.temperature  # [N, V], <= 0 or -inf
+    probs = torch.softmax(scaled, dim=-1)
     if params.top_p < 1:
         sorted_p, order = probs.sort(-1, descending=True)
-        keep = sorted_p.cumsum(-1) - sorted_p < params.top_p  # always keeps the top token
-        sorted_p = sorted_p * keep
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        keep = sorted_p.cumsum(-1) - sorted_p < params.top_p  # the top token: 0 < top_p
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
+    drawn = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return torch.where(finite.squeeze(-1), drawn, x.argmax(-1))
 
 
 def native_kernels() -> dict[str, bool]:

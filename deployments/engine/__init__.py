@@ -6,16 +6,28 @@ handoff, and its asyncio front. No Ray here: the Serve deployments wrap these cl
 
 from .async_engine import AsyncEngine
 from .engine import Engine, EngineConfig, EngineStats
+from .errors import EngineBroken, EngineStepError
 from .scheduler import ScheduledChunk, Scheduler, SchedulerOutput
-from .sequence import Checkpoint, CheckpointPlan, FinishReason, GenerationRequest, RequestOutput, Sequence, SequenceStatus
+from .sequence import (
+    Checkpoint,
+    CheckpointPlan,
+    FinishReason,
+    GenerationRequest,
+    RequestOutput,
+    Sequence,
+    SequenceStatus,
+    TokenLogprob,
+)
 
 __all__ = [
     "AsyncEngine",
     "Checkpoint",
     "CheckpointPlan",
     "Engine",
+    "EngineBroken",
     "EngineConfig",
     "EngineStats",
+    "EngineStepError",
     "FinishReason",
     "GenerationRequest",
     "RequestOutput",
@@ -24,4 +36,5 @@ __all__ = [
     "SchedulerOutput",
     "Sequence",
     "SequenceStatus",
+    "TokenLogprob",
 ]

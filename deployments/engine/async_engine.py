@@ -25,8 +25,14 @@ one step apart. The window never applies while the engine has work: arrivals dur
 join the next one anyway. A lone request pays ``gather_gap_s``.
 
 A consumer that stops early (``aclose()``, task cancellation on client disconnect) aborts
-its request. A failing step stops the engine: every waiting generator, and every later
-call, raises RuntimeError chained to the step's exception.
+its request: one still queued for the next step is taken off the queue and never added; one
+in the engine is aborted right after the step under way (its slot is free before the next).
+
+A failed step fails only its requests: their generators raise
+:class:`~deployments.engine.errors.EngineStepError`, and the engine steps on. Once the engine
+is broken (:attr:`Engine.broken`, or anything unexpected in the step loop), every waiting
+generator and every later call raises :class:`~deployments.engine.errors.EngineBroken`;
+:attr:`healthy` is False and :meth:`check_health` raises it.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from .engine import Engine
+from .errors import EngineBroken, EngineStepError
 from .sequence import GenerationRequest, RequestOutput, merge_outputs
 from .stream_batcher import StreamBatcher
 
@@ -57,13 +64,14 @@ class AsyncEngine:
         self._adds: list[tuple[GenerationRequest, dict[str, Any], asyncio.Future[None]]] = []  # for the next step
         self._wake: asyncio.Event | None = None  # set when work may have arrived; made on the running loop
         self._loop_task: asyncio.Task[None] | None = None
-        self._error: BaseException | None = None  # the step failure that stopped the engine
+        self._error: EngineBroken | None = None  # why the engine stopped for good
         self._closed = False
 
     async def generate(self, req: GenerationRequest, *, coalesce: bool = False, stream_interval_s: float = 0.0,
                        **add_kwargs: Any) -> AsyncIterator[RequestOutput]:
         """Add ``req`` (``add_kwargs`` go to :meth:`Engine.add_request`) and yield its outputs
-        until the finished one. Stopping early aborts the request.
+        until the finished one. Stopping early aborts the request. Raises EngineStepError when
+        a step with the request failed, EngineBroken when the engine is (or becomes) broken.
 
         ``coalesce``: when the consumer has fallen behind the engine, yield everything already
         queued for the request as one merged output (no added latency: nothing waits for more
@@ -93,13 +101,13 @@ class AsyncEngine:
                     nxt = queue.get_nowait()
                     item = nxt if isinstance(nxt, BaseException) else merge_outputs(item, nxt)
                 if isinstance(item, BaseException):
-                    raise RuntimeError(f"engine stopped before request {rid!r} finished: {item!r}") from item
+                    raise item
                 finished = item.finished
                 yield item
         finally:
             del self._queues[rid]
             self._batchers.pop(rid, None)
-            if not finished:
+            if not finished and not self._unqueue(added):
                 await self._abort_once_added(added, rid)
 
     async def shutdown(self) -> None:
@@ -113,14 +121,25 @@ class AsyncEngine:
         for queue in self._queues.values():
             queue.put_nowait(RuntimeError("AsyncEngine was shut down"))
 
+    @property
+    def healthy(self) -> bool:
+        """False once the engine is broken (a replica then reports itself unhealthy)."""
+        return self._error is None and self.engine.broken is None
+
+    def check_health(self) -> None:
+        """Raise EngineBroken when the engine is broken."""
+        if self._error is not None:
+            raise self._error
+        if self.engine.broken is not None:
+            raise self.engine.broken
+
     # -- internals ----------------------------------------------------------------
     def _call(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         with self._lock:
             return fn(*args, **kwargs)
 
     def _check_alive(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"engine stopped after a failed step: {self._error!r}") from self._error
+        self.check_health()
         if self._closed:
             raise RuntimeError("AsyncEngine was shut down")
 
@@ -132,6 +151,14 @@ class AsyncEngine:
             self._loop_task = asyncio.get_running_loop().create_task(self._run(self._wake))
 
     async def _run(self, wake: asyncio.Event) -> None:
+        try:
+            await self._steps(wake)
+        except Exception as e:  # a bug in the loop itself: nobody would be served again
+            broken = EngineBroken(f"engine step loop failed: {e!r}")
+            broken.__cause__ = e
+            self._stop(broken)
+
+    async def _steps(self, wake: asyncio.Event) -> None:
         while not self._closed:
             wake.clear()
             if self.gather_wait_s and self._adds and not self._call(self.engine.has_unfinished):
@@ -144,11 +171,17 @@ class AsyncEngine:
             for (_, _, added), err in zip(adds, errors):
                 if not added.done():  # done: its caller was cancelled
                     added.set_result(None) if err is None else added.set_exception(err)
-            if failure is not None:  # the engine's state is unknown now: fail everyone, step no more
-                self._error = failure
-                self._fail_adds(RuntimeError(f"engine stopped after a failed step: {failure!r}"))
-                for queue in self._queues.values():
-                    queue.put_nowait(failure)
+            if isinstance(failure, EngineStepError):
+                for rid in failure.request_ids:
+                    if (queue := self._queues.get(rid)) is not None:
+                        queue.put_nowait(failure)
+            if failure is not None and self.engine.broken is not None:
+                self._stop(self.engine.broken)
+                return
+            if failure is not None and not isinstance(failure, EngineStepError):  # Engine.step has no other failure: a bug
+                broken = EngineBroken(f"engine step raised {failure!r}")
+                broken.__cause__ = failure
+                self._stop(broken)
                 return
             now = time.monotonic()
             for out in outputs:
@@ -185,6 +218,21 @@ class AsyncEngine:
                 return errors, self.engine.step() if self.engine.has_unfinished() else [], None
             except Exception as e:
                 return errors, [], e
+
+    def _stop(self, error: EngineBroken) -> None:
+        """The engine is broken: fail every waiting caller with ``error``, step no more."""
+        self._error = error
+        self._fail_adds(error)
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+
+    def _unqueue(self, added: asyncio.Future[None]) -> bool:
+        """Take a request whose add is still queued off the queue (True), so it never reaches the engine."""
+        for i, (_, _, fut) in enumerate(self._adds):
+            if fut is added:
+                del self._adds[i]
+                return True
+        return False
 
     def _fail_adds(self, error: BaseException) -> None:
         """Requests queued for a step that will never come: their callers raise ``error``."""

@@ -11,6 +11,14 @@ keep_state_on_finish=True)``; the final output carries ``state`` (the prompt's s
 ``new_token_ids == [first_token]``. A decode engine continues with
 ``add_request(req, resume_state=state, first_token=first_token)``: it restores the state
 and never runs the prompt through the model.
+
+A step that raises (in the forward, sampling or bookkeeping) fails only the requests in its
+batch: they are dropped, their slots freed, and :meth:`Engine.step` raises
+:class:`~deployments.engine.errors.EngineStepError` naming them; the next step serves the
+rest. After ``max_consecutive_failed_steps`` failed steps in a row, or a failure that leaves
+the engine's own state in doubt (scheduling, or dropping the failed requests, raised), the
+engine is broken (:attr:`Engine.broken`): every later step raises
+:class:`~deployments.engine.errors.EngineBroken`.
 """
 
 from __future__ import annotations
@@ -20,12 +28,13 @@ from dataclasses import dataclass
 
 import torch
 
-from model.runner import ModelRunner, sample
+from model.runner import ModelRunner, greedy, sample, sanitize
 from model.state import SequenceState
 from model.tokenizer import Tokenizer
 
+from .errors import EngineBroken, EngineStepError
 from .scheduler import Scheduler, SchedulerOutput
-from .sequence import Checkpoint, CheckpointPlan, FinishReason, GenerationRequest, RequestOutput, Sequence
+from .sequence import LOGPROB_FLOOR, Checkpoint, CheckpointPlan, FinishReason, GenerationRequest, RequestOutput, Sequence, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -35,9 +44,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # token budget of one step: decode tokens plus prefill chunks
     max_cached_tokens: int = 1 << 20  # most tokens held in the running sequences' states (MLA grows per token)
     max_model_len: int = 8192  # most prompt + output tokens of one request
+    max_consecutive_failed_steps: int = 3  # failed steps in a row after which the engine is broken
 
     def __post_init__(self) -> None:
-        for name in ("num_slots", "max_num_seqs", "max_num_batched_tokens", "max_cached_tokens", "max_model_len"):
+        for name in ("num_slots", "max_num_seqs", "max_num_batched_tokens", "max_cached_tokens", "max_model_len",
+                     "max_consecutive_failed_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -62,6 +73,8 @@ class EngineStats:
     restores: int = 0  # states restored into a slot: swapped-out sequences and handoff states
     finished: int = 0  # requests finished by stop or length
     aborted: int = 0  # requests finished by abort
+    failed_steps: int = 0  # steps that raised (their requests were dropped with EngineStepError)
+    failed_requests: int = 0  # requests dropped by failed steps
     step_s: float = 0.0  # wall seconds inside steps that ran a forward (schedule, forward, sampling)
     step_cpu_s: float = 0.0  # CPU seconds of the stepping thread in them (less than step_s: preempted or waiting)
 
@@ -85,6 +98,8 @@ class Engine:
         self.stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}  # unfinished requests by id
         self._outputs: list[RequestOutput] = []  # final outputs made between steps (aborts, handoffs ended by their first token)
+        self.consecutive_failed_steps = 0  # failed steps since the last one that succeeded
+        self.broken: EngineBroken | None = None  # set when the engine can serve no more (see the module docstring)
 
     def add_request(
         self,
@@ -93,6 +108,7 @@ class Engine:
         resume_state: SequenceState | None = None,
         first_token: int | None = None,
         first_token_reported: bool = False,
+        first_logprob: TokenLogprob | None = None,
         keep_state_on_finish: bool = False,
         continues: bool = False,
         cached_prefix: SequenceState | None = None,
@@ -108,6 +124,8 @@ class Engine:
         sampled ``first_token``, so its stream continues exactly as on a single engine.
         ``first_token_reported``: the client already has ``first_token`` and its text (the
         prefill side's final output, made with ``continues``): outputs start after it.
+        ``first_logprob``: the prefill side's logprob of ``first_token``; needed when the request
+        asks for logprobs and the first token is reported here.
 
         ``cached_prefix``: the state after the first ``position`` known tokens (from the
         prefix cache, ``position`` < the known tokens); it is restored and only the rest is
@@ -131,8 +149,11 @@ class Engine:
 
         Raises ValueError (naming the value) for a request_id in use (also while its final
         output is still to be reported by :meth:`step`), a prompt longer than
-        max_model_len, a token id outside the vocabulary, or a state that does not fit.
+        max_model_len, a token id outside the vocabulary, or a state that does not fit;
+        EngineBroken once the engine is broken.
         """
+        if self.broken is not None:
+            raise self.broken
         rid, vocab = req.request_id, self.runner.config.vocab_size
         n = len(req.prompt_ids) + len(replay_ids)
         if rid in self._seqs or any(o.request_id == rid for o in self._outputs):
@@ -156,6 +177,8 @@ class Engine:
                                  f"len(prompt_ids) + len(replay_ids) = {n} (request {rid!r})")
             if not 0 <= first_token < vocab:  # type: ignore[operator]
                 raise ValueError(f"first_token {first_token} is outside the vocabulary 0..{vocab - 1}")
+            if req.sampling.logprobs is not None and not first_token_reported and first_logprob is None:
+                raise ValueError(f"request {rid!r} asks for logprobs and reports first_token here: first_logprob is needed")
         if cached_prefix is not None and not 0 < cached_prefix.position < n:
             raise ValueError(f"cached_prefix.position={cached_prefix.position} must be in 1..{n - 1} (request {rid!r})")
         seq = Sequence(req, self.tokenizer, max_model_len=self.config.max_model_len, keep_state_on_finish=keep_state_on_finish,
@@ -171,7 +194,7 @@ class Engine:
             seq.kda_checkpointed = restored.position
             seq.checkpointed = restored.position // checkpoint_plan.block_size * checkpoint_plan.block_size if checkpoint_plan else restored.position
         if resume_state is not None:
-            seq.append_token(first_token)  # type: ignore[arg-type]
+            seq.append_token(first_token, first_logprob)  # type: ignore[arg-type]
             if first_token_reported and seq.finish_reason is None:
                 seq.take_output()  # the client has it: report nothing of it again
         self._seqs[rid] = seq
@@ -190,15 +213,31 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, apply stop conditions: the outputs of requests
-        that sampled a token or finished (including those aborted since the last step)."""
+        that sampled a token or finished (including those aborted since the last step).
+
+        Raises EngineStepError when the step failed: its requests are dropped, and the outputs
+        the step had made for others come from the next call. Raises EngineBroken when the
+        engine is broken (this step's failure broke it, or an earlier one did)."""
+        if self.broken is not None:
+            raise self.broken
         t, c = time.perf_counter(), time.thread_time()
         outputs, self._outputs = self._outputs, []
-        batch = self.scheduler.schedule()
-        if batch is not None:
+        try:
+            batch = self.scheduler.schedule()
+        except Exception as e:  # the scheduler's state is in doubt
+            self._outputs = outputs + self._outputs
+            raise self._break(f"scheduling raised {e!r}") from e
+        if batch is None:
+            return outputs
+        try:
             logits = self.runner.step(batch.slots, batch.token_chunks)
-            outputs += self._postprocess(batch, logits)
-            self.stats.step_s += time.perf_counter() - t
-            self.stats.step_cpu_s += time.thread_time() - c
+            self._postprocess(batch, logits, outputs)
+        except Exception as e:
+            self._outputs = outputs + self._outputs
+            raise self._fail_step(batch, e) from e
+        self.consecutive_failed_steps = 0
+        self.stats.step_s += time.perf_counter() - t
+        self.stats.step_cpu_s += time.thread_time() - c
         return outputs
 
     def has_unfinished(self) -> bool:
@@ -217,7 +256,32 @@ class Engine:
         return self.scheduler.snapshot(seq)
 
     # -- internals ----------------------------------------------------------------
-    def _postprocess(self, batch: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
+    def _fail_step(self, batch: SchedulerOutput, cause: Exception) -> EngineStepError | EngineBroken:
+        """Drop the unfinished requests of a failed step (their states may be half-written) and
+        count the failure; the error to raise."""
+        self.stats.failed_steps += 1
+        self.consecutive_failed_steps += 1
+        failed = [c.seq for c in batch.chunks if c.seq.request_id in self._seqs]
+        try:
+            for seq in failed:
+                if seq.finish_reason is None:
+                    seq.abort()
+                self.scheduler.finish(seq)
+                del self._seqs[seq.request_id]
+        except Exception as e:
+            return self._break(f"dropping the requests of a failed step raised {e!r} (the step raised {cause!r})")
+        self.stats.failed_requests += len(failed)
+        if self.consecutive_failed_steps >= self.config.max_consecutive_failed_steps:
+            return self._break(f"{self.consecutive_failed_steps} consecutive steps failed, the last with {cause!r}")
+        return EngineStepError(tuple(s.request_id for s in failed), repr(cause))
+
+    def _break(self, reason: str) -> EngineBroken:
+        self.broken = EngineBroken(f"engine broken: {reason}")
+        return self.broken
+
+    def _postprocess(self, batch: SchedulerOutput, logits: torch.Tensor, outputs: list[RequestOutput]) -> None:
+        """Account for a step's forward, sample, and append each request's output to ``outputs``
+        (as they are made: a failure part-way keeps those already made)."""
         self.stats.steps += 1
         self.stats.preemptions += len(batch.preempted)
         self.stats.restores += len(batch.restored)
@@ -233,11 +297,10 @@ class Engine:
             if seq.num_uncomputed == 0:
                 rows.append(i)
         seqs = [batch.chunks[i].seq for i in rows]
-        outputs = []
-        for seq, token in zip(seqs, _sample(seqs, logits[rows])):
-            seq.append_token(token)
+        tokens, logprobs = _sample(seqs, logits[rows])
+        for seq, token, logprob in zip(seqs, tokens, logprobs):
+            seq.append_token(token, logprob)
             outputs.append(self._finish(seq) if seq.finish_reason is not None else seq.take_output())
-        return outputs
 
     def _checkpoint(self, seq: Sequence) -> None:
         """Cut the blocks a step completed, and the KDA state when it ended on a boundary."""
@@ -275,13 +338,35 @@ class Engine:
         return seq.take_output(state)
 
 
-def _sample(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-    """One token per row, each with its sequence's params; seeded rows draw from their own
-    CPU generator, so a request samples the same tokens alone or batched."""
-    tokens = logits.argmax(-1).tolist()
+def _sample(seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[TokenLogprob | None]]:
+    """One token per row [N, V], each with its sequence's params, and its logprob (None where
+    the request asks for none). Seeded rows draw from their own CPU generator, so a request
+    samples the same tokens alone or batched. Rows without penalties, logprobs or temperature
+    cost one argmax over the batch."""
+    penalized = [i for i, seq in enumerate(seqs) if seq.request.sampling.has_penalties]
+    if penalized:
+        logits = logits.clone()
+        logits[penalized] = _penalize(logits[penalized], [seqs[i] for i in penalized])
+    tokens = greedy(logits).tolist()
     for i, seq in enumerate(seqs):
         params = seq.request.sampling
-        if params.temperature > 0:
+        if not params.is_greedy:
             row = logits[i : i + 1]
             tokens[i] = int(sample(row.cpu() if seq.generator is not None else row, params, seq.generator)[0])
-    return tokens
+    logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+    wanted = [i for i, seq in enumerate(seqs) if seq.request.sampling.logprobs is not None]
+    if wanted:
+        lp = torch.log_softmax(sanitize(logits[wanted]), dim=-1).nan_to_num(nan=LOGPROB_FLOOR).clamp_(min=LOGPROB_FLOOR).cpu()
+        for j, i in enumerate(wanted):
+            values, ids = lp[j].topk(seqs[i].request.sampling.logprobs)  # type: ignore[arg-type]  # wanted: not None
+            logprobs[i] = TokenLogprob(tokens[i], float(lp[j, tokens[i]]), tuple(zip(ids.tolist(), values.tolist())))
+    return tokens, logprobs
+
+
+def _penalize(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties over each sequence's output tokens so far:
+    ``logits[t] - presence * (count[t] > 0) - frequency * count[t]`` ([M, V] → [M, V])."""
+    counts = torch.stack([seq.output_counts(logits.shape[-1]) for seq in seqs]).to(logits.device)  # [M, V]
+    presence = torch.tensor([[seq.request.sampling.presence_penalty] for seq in seqs], device=logits.device)  # [M, 1]
+    frequency = torch.tensor([[seq.request.sampling.frequency_penalty] for seq in seqs], device=logits.device)  # [M, 1]
+    return logits - presence * (counts > 0) - frequency * counts

@@ -102,6 +102,20 @@ class Checkpoint:
     conv: list[torch.Tensor] | None = None  # per KDA layer conv tails at ``position``
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A sampled token's log-probability and the most likely alternatives at its position:
+    log-softmax of the step's logits after penalties, before temperature (as vLLM's default).
+    A token the model rules out (logit -inf) has logprob :data:`LOGPROB_FLOOR`."""
+
+    token_id: int  # the sampled token
+    logprob: float  # its log-probability, <= 0
+    top: tuple[tuple[int, float], ...]  # (token id, logprob) of the top ``SamplingParams.logprobs`` tokens, most likely first
+
+
+LOGPROB_FLOOR = -9999.0  # reported for a logprob of -inf (OpenAI's value): JSON has no infinity
+
+
 @dataclass
 class RequestOutput:
     """What one engine step yields for a request that sampled a token or finished."""
@@ -116,6 +130,7 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens this engine did not compute (restored from a handoff state), else 0
     state: SequenceState | None = None  # final output with keep_state_on_finish: the state after the computed tokens (host memory)
     checkpoints: list[Checkpoint] = field(default_factory=list)  # cut since the previous output (CheckpointPlan), oldest first
+    new_logprobs: tuple[TokenLogprob, ...] = ()  # one per new_token_ids entry when the request asks for logprobs, else ()
 
 
 def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
@@ -133,7 +148,85 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
         num_cached_tokens=b.num_cached_tokens,
         state=b.state,
         checkpoints=a.checkpoints + b.checkpoints,
+        new_logprobs=a.new_logprobs + b.new_logprobs,
     )
+
+
+class StopStringMatcher:
+    """Streaming search for the first stop string in a text that arrives in pieces.
+
+    One KMP automaton per stop string: a character costs amortised O(1) per stop string, so a
+    piece costs O(len(piece) × number of stops) whatever the output's length and the stops'
+    lengths (after O(Σ len(stop)) set-up); :attr:`held_back` is O(number of stops).
+
+    The stop found is the one that completes first in the text; of those completing at the same
+    character, the longest (it starts earliest). That makes the result independent of how the
+    text is split into pieces. :func:`find_stop_reference` is the plain definition it is held to.
+    """
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        if any(not stop for stop in stops):
+            raise ValueError(f"stop strings must be non-empty, got {stops!r}")
+        self.stops = stops
+        self._fail = [_prefix_function(stop) for stop in stops]  # KMP failure links
+        self._state = [0] * len(stops)  # per stop: the longest prefix of it the text ends with
+        self.length = 0  # characters fed (up to the stop's end once one is found)
+        self.cut: int | None = None  # once a stop string completed: the length of the text before it
+
+    def feed(self, text: str) -> int | None:
+        """Append ``text``; :attr:`cut` (None while no stop string has completed)."""
+        if self.cut is not None:
+            raise RuntimeError(f"text fed after the stop string was found at {self.cut} (a bug in the caller)")
+        if not self.stops:
+            self.length += len(text)
+            return None
+        state, stops, fail = self._state, self.stops, self._fail
+        for j, ch in enumerate(text):
+            done = -1  # length of the longest stop string completing at this character
+            for i, stop in enumerate(stops):
+                k = state[i]
+                while k and stop[k] != ch:
+                    k = fail[i][k - 1]
+                if stop[k] == ch:
+                    k += 1
+                if k == len(stop):
+                    done = max(done, k)
+                    k = fail[i][k - 1]
+                state[i] = k
+            if done >= 0:
+                self.length += j + 1
+                self.cut = self.length - done
+                return self.cut
+        self.length += len(text)
+        return None
+
+    @property
+    def held_back(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        return max(self._state, default=0)
+
+
+def _prefix_function(s: str) -> list[int]:
+    """KMP: ``p[i]`` = length of the longest proper prefix of ``s[: i + 1]`` that is also its suffix."""
+    p = [0] * len(s)
+    for i in range(1, len(s)):
+        k = p[i - 1]
+        while k and s[i] != s[k]:
+            k = p[k - 1]
+        p[i] = k + (s[i] == s[k])
+    return p
+
+
+def find_stop_reference(text: str, stops: tuple[str, ...]) -> tuple[int | None, int]:
+    """The definition :class:`StopStringMatcher` implements, plainly (quadratic): (the length of
+    the text before the stop string that completes first, the longest of those completing at
+    the same character; None when none does) and, when none does, the length of the longest
+    tail of ``text`` that is a proper prefix of a stop string (else 0)."""
+    for end in range(1, len(text) + 1):
+        done = [len(s) for s in stops if text[:end].endswith(s)]
+        if done:
+            return end - max(done), 0
+    return None, max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
 
 
 class SequenceStatus(Enum):
@@ -205,7 +298,10 @@ class Sequence:
         self.num_computed = 0  # tokens in the state (in the slot, or in host_state)
         self.num_cached_tokens = 0  # prompt tokens restored from a handoff rather than computed
         self.output_ids: list[int] = []
-        self.text = ""  # output text released by the detokenizer, cut before a stop string
+        # one per output token when the request asks for logprobs (None for replayed ones: never reported)
+        self.logprobs: list[TokenLogprob | None] | None = [] if request.sampling.logprobs is not None else None
+        self._counts: torch.Tensor | None = None  # output_counts(), made on first use
+        self._counted = 0  # output_ids already in _counts
         self.finish_reason: FinishReason | None = None
         self.keep_state_on_finish = keep_state_on_finish
         self.max_model_len = max_model_len
@@ -214,6 +310,10 @@ class Sequence:
         seed = request.sampling.seed
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None  # CPU; one draw per token
         self._detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_ids)
+        self._stops = StopStringMatcher(request.stop)
+        self._text_len = 0  # characters of output text released by the detokenizer, cut before a stop string
+        self._reported: list[str] = []  # the text reported, in pieces
+        self._unreported = ""  # the rest of the text: at most a held-back tail (< the longest stop) and the newest piece
         self._emitted_tokens = 0  # output_ids already reported
         self._emitted_chars = 0  # text already reported
         self.arrival_time = time.perf_counter()  # time.perf_counter() timestamps, for latency metrics
@@ -268,16 +368,33 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.request.prompt_ids + self.output_ids
 
+    @property
+    def text(self) -> str:
+        """The output text released so far, cut before a stop string (joined on each call: O(output))."""
+        return "".join(self._reported) + self._unreported
+
+    def output_counts(self, vocab_size: int) -> torch.Tensor:
+        """How often each token id occurs in the output so far [vocab_size] (float32, CPU),
+        replayed and handed-off tokens included: what the penalties are computed from. Kept
+        up to date as tokens arrive, so a call costs O(tokens since the last one)."""
+        if self._counts is None:
+            self._counts = torch.zeros(vocab_size)
+        new = self.output_ids[self._counted :]
+        if new:
+            self._counts.index_add_(0, torch.tensor(new), torch.ones(len(new)))
+            self._counted = len(self.output_ids)
+        return self._counts
+
     def next_chunk(self, max_tokens: int) -> list[int]:
         """The next up to ``max_tokens`` uncomputed tokens."""
         start, end = self.num_computed, min(self.num_tokens, self.num_computed + max_tokens)
         n = self.num_prompt_tokens
         return self.request.prompt_ids[start:end] + self.output_ids[max(0, start - n) : max(0, end - n)]
 
-    def append_token(self, token: int) -> None:
-        """Add a sampled token and apply the stop conditions (stop token, stop string,
-        max_tokens, max_model_len); a stop sets ``finish_reason`` (the caller then
-        releases the sequence)."""
+    def append_token(self, token: int, logprob: TokenLogprob | None = None) -> None:
+        """Add a sampled token (with its logprob when the request asks for them) and apply the
+        stop conditions (stop token, stop string, max_tokens, max_model_len); a stop sets
+        ``finish_reason`` (the caller then releases the sequence)."""
         if self.finish_reason is not None:
             raise RuntimeError(f"token appended to request {self.request_id!r} after it stopped (a bug)")
         if self.first_token_time is None:
@@ -288,6 +405,8 @@ class Sequence:
                 self._stop(FinishReason.STOP)
             return
         self.output_ids.append(token)
+        if self.logprobs is not None:
+            self.logprobs.append(logprob)
         at_limit = len(self.output_ids) >= self.request.max_tokens or self.num_tokens >= self.max_model_len
         new = self._detokenizer.push(token)
         self._extend_text(new + self._detokenizer.flush() if at_limit and not self.continues else new)
@@ -302,6 +421,8 @@ class Sequence:
             if token in self.stop_token_ids:
                 raise ValueError(f"replayed token {token} of request {self.request_id!r} is a stop token")
             self.output_ids.append(token)
+            if self.logprobs is not None:
+                self.logprobs.append(None)
             self._extend_text(self._detokenizer.push(token))
         if self.finish_reason is not None or len(self.output_ids) >= self.request.max_tokens:
             raise ValueError(f"replay of {len(replay_ids)} tokens already ends request {self.request_id!r}")
@@ -318,34 +439,35 @@ class Sequence:
         self.finish_time = time.perf_counter()
 
     def _extend_text(self, new: str) -> None:
-        """Append released text; on a stop string, cut the text before it and stop."""
-        start = len(self.text)
-        self.text += new
+        """Append released text; on a stop string, cut the text before it and stop. Costs
+        O(len(new) + the longest stop string), whatever the output's length."""
         if not new:
             return
-        hits = [i for s in self.request.stop if (i := self.text.find(s, max(0, start - len(s) + 1))) >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
-            self._stop(FinishReason.STOP)
-
-    def _held_back(self) -> int:
-        """Length of the longest text tail that is a proper prefix of a stop string."""
-        return max(
-            (k for s in self.request.stop for k in range(min(len(s) - 1, len(self.text)), 0, -1)
-             if self.text.endswith(s[:k])),
-            default=0,
-        )
+        cut = self._stops.feed(new)
+        if cut is None:
+            self._unreported += new
+            self._text_len += len(new)
+            return
+        keep = cut - self._emitted_chars
+        if keep < 0:
+            raise RuntimeError(f"stop string of request {self.request_id!r} begins in text already reported (a bug)")
+        self._unreported = (self._unreported + new)[:keep]
+        self._text_len = cut
+        self._stop(FinishReason.STOP)
 
     def take_output(self, state: SequenceState | None = None) -> RequestOutput:
         """The tokens and text not reported yet (all of the text once a finish_reason is set,
         except where max_tokens hands the stream on: see ``continues``)."""
         done = self.finish_reason is not None
         handed_on = self.continues and self.finish_reason is FinishReason.LENGTH
-        end = len(self.text) if done and not handed_on else len(self.text) - self._held_back()
+        end = self._text_len if done and not handed_on else self._text_len - self._stops.held_back
+        new_text, self._unreported = self._unreported[: end - self._emitted_chars], self._unreported[end - self._emitted_chars :]
+        if new_text:
+            self._reported.append(new_text)
         out = RequestOutput(
             request_id=self.request_id,
             new_token_ids=self.output_ids[self._emitted_tokens :],
-            new_text=self.text[self._emitted_chars : end],
+            new_text=new_text,
             finished=done,
             finish_reason=self.finish_reason,
             num_prompt_tokens=self.num_prompt_tokens,
@@ -353,6 +475,7 @@ class Sequence:
             num_cached_tokens=self.num_cached_tokens,
             state=state,
             checkpoints=self.pending_checkpoints,
+            new_logprobs=tuple(self.logprobs[self._emitted_tokens :]) if self.logprobs is not None else (),  # type: ignore[arg-type]
         )
         self.pending_checkpoints = []
         self._emitted_tokens, self._emitted_chars = len(self.output_ids), end

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from deployments.engine import (
     AsyncEngine,
     Engine,
+    EngineBroken,
     EngineConfig,
     FinishReason,
     GenerationRequest,
@@ -481,7 +482,7 @@ def test_async_engine_streams_concurrently_and_close_aborts(model, tok):
     assert aengine.engine.stats.aborted == 1 and aengine.engine.runner.num_free == 8
 
 
-def test_async_engine_cancel_aborts_and_step_errors_reach_every_generator(model, tok):
+def test_async_engine_cancel_aborts_and_an_engine_bug_breaks_it_for_every_generator(model, tok):
     async def main():
         aengine = AsyncEngine(make_engine(model, tok))
         first = asyncio.Event()
@@ -504,9 +505,12 @@ def test_async_engine_cancel_aborts_and_step_errors_reach_every_generator(model,
 
         aengine.engine.step = broken
         results = await asyncio.gather(consume("x"), consume("y"), return_exceptions=True)
-        assert all(isinstance(r, RuntimeError) and isinstance(r.__cause__, RuntimeError) and "boom" in str(r)
+        assert all(type(r) is EngineBroken and type(r.__cause__) is RuntimeError and "boom" in str(r)
                    for r in results), results
-        with pytest.raises(RuntimeError, match="boom"):
+        assert not aengine.healthy
+        with pytest.raises(EngineBroken, match="boom"):
+            aengine.check_health()
+        with pytest.raises(EngineBroken, match="boom"):
             async with contextlib.aclosing(aengine.generate(request("z", [1], 1))) as late:
                 await late.__anext__()
 

@@ -1,10 +1,20 @@
 """The request path both ingresses share: auth → tenant, model id → pool, validate, limits,
-prefill → decode, failover, usage and timings.
+prefill → decode, failover, deadline, usage and timings.
+
+Validation runs in order of cost: the shape of the request (lengths, counts, ranges: no
+tokenizing yet), the prompt's bytes, then tokenizing (off the event loop, linear time), then
+the token limits and the tenant's admission. Nothing expensive runs for a request that breaks
+a limit (:class:`~deployments.gateway.protocol.RequestLimits`).
 
 Failover: when a decode replica dies mid-stream (the backend raises ReplicaFailed) or a
 handoff entry is lost, the request goes through prefill again with the tokens the client
 already has as ``replay_ids``; prefill resumes from the dead replica's last cache checkpoint,
 computes the rest, and a live decode replica continues. The client sees one stream.
+
+Deadline: each pool has an end-to-end deadline (``request_timeout_s``) around the whole
+request, failovers included; every hop is awaited with the time that is left, and a hop that
+runs past it is cancelled (the decode replica frees the slot) and the client gets
+:class:`~deployments.gateway.errors.DeadlineExceeded`.
 
 Transport-free: HTTP and gRPC ingresses parse into :class:`~deployments.gateway.protocol.CompletionInput`
 and render the events; the prefill/decode hops go through an injected backend (Serve handles
@@ -14,25 +24,61 @@ in the platform, in-process engines in tests and benchmarks).
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
-from typing import AsyncIterator, Protocol
+from dataclasses import dataclass
+from typing import AsyncIterator, Mapping, Protocol
 
 from model.runner import SamplingParams
-from model.tokenizer import Tokenizer, apply_chat_template
+from model.tokenizer import Tokenizer, encode_chat
 
+from deployments.engine.sequence import TokenLogprob
 from deployments.observability import tracing
-from deployments.gateway.protocol import HIGHSPEED_SUFFIX, CompletionInput, Finished, ModelCard, TextDelta, Usage
-from deployments.gateway.errors import BadRequest, HandoffLost, ModelNotFound, ReplicaFailed, Unavailable
+from deployments.gateway.protocol import (DEFAULT_REQUEST_TIMEOUT_S, HIGHSPEED_SUFFIX, SEED_MAX, SEED_MIN, CompletionInput,
+                                          Finished, ModelCard, RequestLimits, TextDelta, TokenAlternative, TokenLogprobs,
+                                          Usage)
+from deployments.gateway.errors import (BadRequest, BadRequestError, DeadlineExceeded, HandoffLost, ModelNotFound,
+                                        ReplicaFailed, Unavailable)
 from deployments.workers.messages import DecodeChunk, DecodeRequest, PrefillRequest, PrefillResult
 from deployments.workers.replica import stop_token_ids
-from deployments.tenancy import RateLimiter, TenantRegistry, UsageCounter, check_pool
+from deployments.tenancy import RateLimiter, Tenant, TenantRegistry, UsageCounter, check_pool
+
+ROLES = ("system", "user", "assistant")
 
 
 class Backend(Protocol):
     async def prefill(self, pool: str, req: PrefillRequest) -> PrefillResult: ...
 
     def decode(self, pool: str, req: DecodeRequest) -> AsyncIterator[DecodeChunk]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """A validated, admitted request: what every choice of it needs."""
+
+    request_id: str
+    tenant: Tenant
+    pool: str
+    ids: tuple[int, ...]  # prompt token ids
+    max_tokens: int  # per choice
+    params: tuple[SamplingParams, ...]  # one per choice
+    stop_ids: tuple[int, ...]
+    checkpoint_at: tuple[int, ...]
+    deadline: float  # time.monotonic() past which the request fails with DeadlineExceeded
+    timeout_s: float  # the pool's end-to-end deadline, seconds (for the message)
+
+
+def _finite(value: float, param: str, lo: float, hi: float, *, open_lo: bool = False) -> None:
+    if not (math.isfinite(value) and (lo < value if open_lo else lo <= value) and value <= hi):
+        raise BadRequest(f"{param} must be a finite number in {'(' if open_lo else '['}{lo}, {hi}], got {value}", param=param)
+
+
+def _utf8_len(text: str, param: str) -> int:
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError as e:
+        raise BadRequest(f"{param} is not valid Unicode text (a lone surrogate at character {e.start})", param=param) from None
 
 
 class Frontend:
@@ -48,7 +94,11 @@ class Frontend:
         limiter: RateLimiter | None = None,
         usage: UsageCounter | None = None,
         failover_attempts: int = 3,
+        request_timeout_s: Mapping[str, float] | None = None,
+        limits: RequestLimits | None = None,
     ) -> None:
+        """``request_timeout_s``: each pool's end-to-end deadline, seconds (a pool not named:
+        :data:`~deployments.gateway.protocol.DEFAULT_REQUEST_TIMEOUT_S`)."""
         self.model_name = model_name
         self.pools = list(pools)
         self.tokenizer = tokenizer
@@ -58,6 +108,9 @@ class Frontend:
         self.limiter = limiter or RateLimiter()
         self.usage = usage or UsageCounter()
         self.failover_attempts = failover_attempts
+        self.request_timeout_s = dict(request_timeout_s or {})
+        self.limits = limits or RequestLimits()
+        self.created = int(time.time())  # the model cards' ``created``
         self.failovers = 0  # streams resumed on another replica
 
     # -- models ------------------------------------------------------------------
@@ -66,6 +119,8 @@ class Frontend:
         return {self.model_name + ("" if p == "standard" else HIGHSPEED_SUFFIX): p for p in self.pools}
 
     def resolve(self, model: str) -> str:
+        if len(model) > self.limits.max_id_chars:
+            raise BadRequest(f"model must be at most {self.limits.max_id_chars} characters, got {len(model)}", param="model")
         ids = self.model_ids()
         if model not in ids:
             raise ModelNotFound(f"The model '{model}' does not exist. Valid model ids: {sorted(ids)}", param="model")
@@ -73,134 +128,292 @@ class Frontend:
 
     def list_models(self, api_key: str | None) -> list[ModelCard]:
         self.registry.reload_if_changed()
-        self.registry.authenticate(api_key)
-        return [ModelCard(id=m, pool=p) for m, p in self.model_ids().items()]
+        tenant = self.registry.authenticate(api_key)
+        context = min(tenant.max_context, self.max_model_len)
+        return [ModelCard(id=m, pool=p, created=self.created, max_model_len=context) for m, p in self.model_ids().items()]
 
-    # -- completions ---------------------------------------------------------------
-    def system_prompt_end(self, inp: CompletionInput, ids: list[int]) -> tuple[int, ...]:
-        """Token position where the leading system message(s) end, when more follows: sessions of
-        one tenant that share a system prompt then share a cache checkpoint there."""
-        msgs = inp.messages or ()
-        k = next((i for i, m in enumerate(msgs) if m.role != "system"), 0)
-        if k == 0:
-            return ()
-        head = self.tokenizer.encode(apply_chat_template([(m.role, m.content) for m in msgs[:k]], add_generation_prompt=False))
-        return (len(head),) if 0 < len(head) < len(ids) and ids[: len(head)] == head else ()
+    def model_card(self, api_key: str | None, model: str) -> ModelCard:
+        """One model's card for the caller (404 naming the valid ids for an unknown one)."""
+        cards = self.list_models(api_key)
+        self.resolve(model)
+        return next(c for c in cards if c.id == model)
 
-    def _validate(self, inp: CompletionInput, tenant) -> tuple[list[int], SamplingParams, tuple[int, ...]]:
-        if inp.max_tokens is None or inp.max_tokens < 1:
-            raise BadRequest(f"max_tokens must be >= 1, got {inp.max_tokens}", param="max_tokens")
-        if not 0 <= inp.temperature <= 2:
-            raise BadRequest(f"temperature must be in [0, 2], got {inp.temperature}", param="temperature")
-        if not 0 < inp.top_p <= 1:
-            raise BadRequest(f"top_p must be in (0, 1], got {inp.top_p}", param="top_p")
+    def timeout_s(self, pool: str) -> float:
+        return self.request_timeout_s.get(pool, DEFAULT_REQUEST_TIMEOUT_S)
+
+    # -- validation ------------------------------------------------------------------
+    def _check_shape(self, inp: CompletionInput) -> None:
+        """Everything that needs no tokenizing: counts, lengths, ranges."""
+        lim = self.limits
         if (inp.prompt is None) == (inp.messages is None):
             raise BadRequest("exactly one of prompt or messages is required", param="prompt")
+        if inp.max_tokens is not None and inp.max_tokens < 1:
+            raise BadRequest(f"max_tokens must be >= 1, got {inp.max_tokens}", param="max_tokens")
+        if not 1 <= inp.n <= lim.max_n:
+            raise BadRequest(f"n must be in [1, {lim.max_n}], got {inp.n}", param="n")
+        _finite(inp.temperature, "temperature", 0, 2)
+        _finite(inp.top_p, "top_p", 0, 1, open_lo=True)
+        _finite(inp.presence_penalty, "presence_penalty", -2, 2)
+        _finite(inp.frequency_penalty, "frequency_penalty", -2, 2)
+        if inp.seed is not None and not SEED_MIN <= inp.seed <= SEED_MAX - (inp.n - 1):
+            raise BadRequest(f"seed must be in [{SEED_MIN}, {SEED_MAX - (inp.n - 1)}] (int64; choice i uses seed + i), "
+                             f"got {inp.seed}", param="seed")
+        if inp.logprobs is not None and not 0 <= inp.logprobs <= lim.max_logprobs:
+            raise BadRequest(f"logprobs must be in [0, {lim.max_logprobs}], got {inp.logprobs}", param="logprobs")
+        if len(inp.stop) > lim.max_stop:
+            raise BadRequest(f"stop may hold at most {lim.max_stop} strings, got {len(inp.stop)}", param="stop")
+        for s in inp.stop:
+            if not 1 <= len(s) <= lim.max_stop_chars:
+                raise BadRequest(f"each stop string must be 1 to {lim.max_stop_chars} characters, got one of {len(s)}",
+                                 param="stop")
+            _utf8_len(s, "stop")
+        if inp.session_id is not None and not (1 <= len(inp.session_id) <= lim.max_id_chars
+                                               and all(" " <= c <= "~" for c in inp.session_id)):
+            raise BadRequest(f"x-session-id must be 1 to {lim.max_id_chars} printable ASCII characters, got "
+                             f"{inp.session_id[:40]!r} ({len(inp.session_id)} characters)", param="x-session-id")
+        if inp.cache_salt is not None and not 1 <= len(inp.cache_salt) <= lim.max_id_chars:
+            raise BadRequest(f"cache_salt must be 1 to {lim.max_id_chars} characters, got {len(inp.cache_salt)}",
+                             param="cache_salt")
+        if inp.user is not None and len(inp.user) > lim.max_id_chars:
+            raise BadRequest(f"user must be at most {lim.max_id_chars} characters, got {len(inp.user)}", param="user")
         if inp.messages is not None:
             if not inp.messages:
                 raise BadRequest("messages must not be empty", param="messages")
-            bad = [m.role for m in inp.messages if m.role not in ("system", "user", "assistant")]
-            if bad:
-                raise BadRequest(f"unsupported message role {bad[0]!r}", param="messages")
-            text = apply_chat_template([(m.role, m.content) for m in inp.messages])
-        else:
-            text = inp.prompt
-        ids = self.tokenizer.encode(text)
-        if not ids:
-            raise BadRequest("the prompt is empty", param="prompt")
-        limit = min(tenant.max_context, self.max_model_len)
-        if len(ids) + inp.max_tokens > limit:
-            raise BadRequest(
-                f"This model's maximum context length for this tenant is {limit} tokens. However, you requested "
-                f"{len(ids) + inp.max_tokens} tokens ({len(ids)} in the prompt, {inp.max_tokens} for the completion).",
-                param="max_tokens" if len(ids) < limit else "prompt",
-            )
-        if inp.session_id is not None and not (1 <= len(inp.session_id) <= 256 and inp.session_id.isprintable()):
-            raise BadRequest(f"session id must be 1 to 256 printable characters, got {inp.session_id[:40]!r}", param="x-session-id")
-        if inp.cache_salt is not None and not (1 <= len(inp.cache_salt) <= 256):
-            raise BadRequest(f"cache_salt must be 1 to 256 characters, got {len(inp.cache_salt)}", param="cache_salt")
-        if len(inp.stop) > 4 or any(not s for s in inp.stop):
-            raise BadRequest(f"stop must be up to 4 non-empty strings, got {list(inp.stop)}", param="stop")
-        params = SamplingParams(temperature=inp.temperature, top_p=inp.top_p, seed=inp.seed)
-        return ids, params, () if inp.ignore_eos else stop_token_ids(self.tokenizer, chat=inp.messages is not None)
+            if len(inp.messages) > lim.max_messages:
+                raise BadRequest(f"messages may hold at most {lim.max_messages} messages, got {len(inp.messages)}",
+                                 param="messages")
+            bad = next((m.role for m in inp.messages if m.role not in ROLES), None)
+            if bad is not None:
+                raise BadRequest(f"unsupported message role {bad[:40]!r} (one of {list(ROLES)})", param="messages")
+        texts = [inp.prompt] if inp.prompt is not None else [m.content for m in inp.messages]
+        size = sum(_utf8_len(t, "messages" if inp.messages is not None else "prompt") for t in texts)
+        if size > lim.max_prompt_bytes:
+            raise BadRequest(f"the prompt is {size} bytes of UTF-8; the limit is {lim.max_prompt_bytes}",
+                             param="messages" if inp.messages is not None else "prompt")
 
-    async def complete(self, api_key: str | None, inp: CompletionInput) -> AsyncIterator[TextDelta | Finished]:
-        """Validate and admit (errors raise before the first event), then stream the completion."""
-        t0 = time.perf_counter()
+    def _encode(self, inp: CompletionInput) -> tuple[list[int], tuple[int, ...]]:
+        """(prompt ids, the cache checkpoint at the end of the leading system messages). Only the
+        chat template inserts control tokens; user text is plain data unless a completion opts in."""
+        if inp.messages is None:
+            encode = self.tokenizer.encode_with_specials if inp.allow_special_tokens else self.tokenizer.encode
+            return encode(inp.prompt), ()
+        turns = [(m.role, m.content) for m in inp.messages]
+        ids = encode_chat(self.tokenizer, turns)
+        k = next((i for i, m in enumerate(inp.messages) if m.role != "system"), 0)
+        if k == 0:
+            return ids, ()
+        head = encode_chat(self.tokenizer, turns[:k], add_generation_prompt=False)
+        return ids, ((len(head),) if 0 < len(head) < len(ids) and ids[: len(head)] == head else ())
+
+    def system_prompt_end(self, inp: CompletionInput) -> tuple[int, ...]:
+        """Token position where the leading system message(s) end, when more follows: sessions of
+        one tenant that share a system prompt then share a cache checkpoint there."""
+        return self._encode(inp)[1]
+
+    async def _plan(self, api_key: str | None, inp: CompletionInput, request_id: str, t0: float) -> tuple[_Plan, int]:
+        """Authenticate, validate and admit (every error raises here); (plan, limiter reservation)."""
         self.registry.reload_if_changed()
         tenant = self.registry.authenticate(api_key)
         pool = self.resolve(inp.model)
         check_pool(tenant, pool)
-        ids, params, stop_ids = self._validate(inp, tenant)
-        reserved = len(ids) + inp.max_tokens
-        reservation = self.limiter.acquire(tenant, reserved)
-        request_id = f"cmpl-{uuid.uuid4().hex[:24]}"
+        self._check_shape(inp)
+        ids, checkpoint_at = await asyncio.to_thread(self._encode, inp)
+        if not ids:
+            raise BadRequest("the prompt is empty", param="prompt")
+        limit = min(tenant.max_context, self.max_model_len)
+        max_tokens = limit - len(ids) if inp.max_tokens is None else inp.max_tokens
+        if max_tokens < 1 or len(ids) + max_tokens > limit:
+            raise BadRequestError(
+                f"This model's maximum context length for this tenant is {limit} tokens. However, you requested "
+                f"{len(ids) + max(max_tokens, 1)} tokens ({len(ids)} in the prompt, {max(max_tokens, 1)} for the completion).",
+                code="context_length_exceeded", param="max_tokens" if len(ids) < limit else "prompt")
+        seeds = [None if inp.seed is None else inp.seed + i for i in range(inp.n)]
+        params = tuple(SamplingParams(temperature=inp.temperature, top_p=inp.top_p, seed=s,
+                                      presence_penalty=inp.presence_penalty, frequency_penalty=inp.frequency_penalty,
+                                      logprobs=inp.logprobs) for s in seeds)
+        stop_ids = () if inp.ignore_eos else stop_token_ids(self.tokenizer, chat=inp.messages is not None)
+        reservation = self.limiter.acquire(tenant, len(ids) + inp.n * max_tokens)
+        timeout = self.timeout_s(pool)
+        return _Plan(request_id, tenant, pool, tuple(ids), max_tokens, params, stop_ids, checkpoint_at,
+                     t0 + timeout, timeout), reservation
+
+    # -- completions ---------------------------------------------------------------
+    async def complete(self, api_key: str | None, inp: CompletionInput,
+                       request_id: str | None = None) -> AsyncIterator[TextDelta | Finished]:
+        """Validate and admit (errors raise before the first event), then stream the completion:
+        the events of ``inp.n`` choices, interleaved, each choice ending with its :class:`Finished`.
+        ``request_id``: the id the ingress already shows the client (generated when None); every
+        event and every log line of the request carries it."""
+        t0 = time.monotonic()
+        request_id = request_id or f"cmpl-{uuid.uuid4().hex[:24]}"
+        plan, reservation = await self._plan(api_key, inp, request_id, t0)
         span = tracing.tracer().start_span("ingress", attributes={
-            "deltaserve.tenant": tenant.name, "deltaserve.pool": pool, "deltaserve.model": inp.model,
-            "deltaserve.request_id": request_id, "deltaserve.prompt_tokens": len(ids)})
+            "deltaserve.tenant": plan.tenant.name, "deltaserve.pool": plan.pool, "deltaserve.model": inp.model,
+            "deltaserve.request_id": request_id, "deltaserve.prompt_tokens": len(plan.ids), "deltaserve.n": inp.n,
+            "deltaserve.user": inp.user or ""})
+        carrier = tracing.carrier_of(span)
+        finished: list[Finished] = []
+        produced = [0] * inp.n  # output tokens of each choice so far
+        accounted = False
         try:
-            carrier = tracing.carrier_of(span)
-            n_out, t_first, replica, reason, cached = 0, None, "", "length", None
-            emitted: list[int] = []  # output tokens the client has
-            checkpoint_at = self.system_prompt_end(inp, ids)
-            failures = 0
-            try:
-                while True:
-                    preq = PrefillRequest(request_id, tuple(ids), inp.max_tokens, params, tuple(inp.stop), stop_ids,
-                                          inp.ignore_eos, tenant.name, pool, carrier, cache_salt=tenant.cache_salt,
-                                          client_salt=inp.cache_salt, session_id=inp.session_id, replay_ids=tuple(emitted),
-                                          checkpoint_at=checkpoint_at)
-                    try:
-                        result = await self.backend.prefill(pool, preq)
-                        cached = result.cached_tokens if cached is None else cached
-                        if result.finished:
-                            t_first = t_first or time.perf_counter()
-                            replica, reason = result.replica, result.finish_reason
-                            n_out = len(emitted) + (reason == "length")
-                            if result.text or reason == "length":
-                                yield TextDelta(result.text, (result.first_token,) if reason == "length" else (), request_id, len(ids))
-                            break
-                        # the first token goes out now (time to first token = prefill); decode continues after it
-                        t_first = t_first or time.perf_counter()
-                        emitted.append(result.first_token)
-                        n_out, replica = len(emitted), result.replica
-                        yield TextDelta(result.text, (result.first_token,), request_id, len(ids))
-                        dreq = DecodeRequest(preq, result.first_token, result.state, carrier, result.handoff_key)
-                        async for chunk in self.backend.decode(pool, dreq):
-                            n_out, replica = chunk.num_output_tokens, chunk.replica
-                            emitted.extend(chunk.token_ids)
-                            if chunk.text or chunk.token_ids:
-                                yield TextDelta(chunk.text, chunk.token_ids, request_id, len(ids))
-                            if chunk.finished:
-                                reason = chunk.finish_reason or "length"
-                        break
-                    except (ReplicaFailed, HandoffLost) as e:
-                        failures += 1
-                        span.add_event("failover", {"deltaserve.error": str(e)[:200], "deltaserve.delivered_tokens": len(emitted)})
-                        if failures > self.failover_attempts:
-                            raise Unavailable(f"request {request_id} failed on {failures} replicas; last error: {e}") from e
-                        self.failovers += 1
-                        await asyncio.sleep(0.1 * failures)  # let Serve notice a dead replica
-            except BaseException:
-                self.usage.record(tenant.name, prompt_tokens=len(ids), completion_tokens=n_out, error=True)
-                self.limiter.refund(tenant, max(0, inp.max_tokens - n_out), reservation)
-                raise
-            cached = cached or 0
-            t_end = time.perf_counter()
-            t_first = t_first or t_end
-            usage = Usage(
-                prompt_tokens=len(ids),
-                completion_tokens=n_out,
-                cached_tokens=cached,
-                time_to_first_token_s=t_first - t0,
-                output_tokens_per_s=(n_out - 1) / (t_end - t_first) if n_out > 1 and t_end > t_first else 0.0,
-                end_to_end_s=t_end - t0,
-            )
-            self.limiter.refund(tenant, max(0, inp.max_tokens - n_out), reservation)
-            self.usage.record(tenant.name, prompt_tokens=len(ids), completion_tokens=n_out, cached_tokens=cached)
-            span.set_attribute("deltaserve.completion_tokens", n_out)
-            span.set_attribute("deltaserve.cached_tokens", cached)
-            span.set_attribute("deltaserve.replica", replica)
-            yield Finished(reason, usage, inp.model, pool, replica, request_id)
+            choices = [self._choice(inp, plan, i, carrier, span, produced, t0) for i in range(inp.n)]
+            async for ev in choices[0] if inp.n == 1 else _merge(choices):
+                if isinstance(ev, Finished):
+                    finished.append(ev)
+                    if len(finished) == inp.n:  # before the last event: a client may stop reading after it
+                        self._account(plan, inp.n, reservation, span, finished)
+                        accounted = True
+                yield ev
+        except BaseException:
+            if not accounted:
+                self.usage.record(plan.tenant.name, prompt_tokens=len(plan.ids), completion_tokens=sum(produced), error=True)
+                self.limiter.refund(plan.tenant, max(0, inp.n * plan.max_tokens - sum(produced)), reservation)
+            raise
         finally:
             span.end()
+
+    def _account(self, plan: _Plan, n: int, reservation: int, span, finished: list[Finished]) -> None:
+        """A served request: refund the unused reservation, count usage, finish the span's attributes."""
+        n_out = sum(f.usage.completion_tokens for f in finished)
+        cached = finished[0].usage.cached_tokens
+        self.limiter.refund(plan.tenant, max(0, n * plan.max_tokens - n_out), reservation)
+        self.usage.record(plan.tenant.name, prompt_tokens=len(plan.ids), completion_tokens=n_out, cached_tokens=cached)
+        span.set_attribute("deltaserve.completion_tokens", n_out)
+        span.set_attribute("deltaserve.cached_tokens", cached)
+        span.set_attribute("deltaserve.replica", finished[-1].replica)
+
+    def _remaining(self, plan: _Plan) -> float:
+        left = plan.deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded(f"request {plan.request_id} ran past the {plan.pool} pool's deadline of "
+                                   f"{plan.timeout_s:g} s")
+        return left
+
+    async def _hop(self, plan: _Plan, awaitable):
+        """``awaitable`` within what is left of the deadline; cancelled past it."""
+        try:
+            return await asyncio.wait_for(awaitable, self._remaining(plan))
+        except (asyncio.TimeoutError, TimeoutError):
+            self._remaining(plan)  # raises DeadlineExceeded when the deadline is what ran out
+            raise
+
+    def _logprobs(self, entries: tuple[TokenLogprob, ...]) -> tuple[TokenLogprobs, ...]:
+        tok = self.tokenizer
+
+        def alt(token_id: int, logprob: float) -> TokenAlternative:
+            b = tok.token_bytes(token_id)
+            return TokenAlternative(b.decode("utf-8", errors="replace"), tuple(b), logprob)
+
+        out = []
+        for e in entries:
+            b = tok.token_bytes(e.token_id)
+            out.append(TokenLogprobs(b.decode("utf-8", errors="replace"), tuple(b), e.logprob,
+                                     tuple(alt(t, lp) for t, lp in e.top)))
+        return tuple(out)
+
+    async def _choice(self, inp: CompletionInput, plan: _Plan, index: int, carrier: dict, span, produced: list[int],
+                      t0: float) -> AsyncIterator[TextDelta | Finished]:
+        """One choice of the request, with failover, inside the request's deadline."""
+        ids, rid, n_prompt = plan.ids, plan.request_id, len(plan.ids)
+        n_out, t_first, replica, reason, cached = 0, None, "", "length", None
+        emitted: list[int] = []  # output tokens the client has
+        failures = 0
+        want_lp = inp.logprobs is not None
+        while True:
+            preq = PrefillRequest(rid if inp.n == 1 else f"{rid}-{index}", ids, plan.max_tokens, plan.params[index],
+                                  inp.stop, plan.stop_ids, inp.ignore_eos, plan.tenant.name, plan.pool, carrier,
+                                  cache_salt=plan.tenant.cache_salt, client_salt=inp.cache_salt, session_id=inp.session_id,
+                                  replay_ids=tuple(emitted), checkpoint_at=plan.checkpoint_at)
+            try:
+                result = await self._hop(plan, self.backend.prefill(plan.pool, preq))
+                cached = result.cached_tokens if cached is None else cached
+                first_lp = self._logprobs((result.first_logprob,)) if want_lp and result.first_logprob else ()
+                if result.finished:
+                    t_first = t_first or time.monotonic()
+                    replica, reason = result.replica, result.finish_reason
+                    n_out = len(emitted) + (reason == "length")
+                    produced[index] = n_out
+                    if result.text or reason == "length":
+                        yield TextDelta(result.text, (result.first_token,) if reason == "length" else (), rid, n_prompt,
+                                        index, first_lp if reason == "length" else ())
+                    break
+                # the first token goes out now (time to first token = prefill); decode continues after it
+                t_first = t_first or time.monotonic()
+                emitted.append(result.first_token)
+                n_out, replica = len(emitted), result.replica
+                produced[index] = n_out
+                yield TextDelta(result.text, (result.first_token,), rid, n_prompt, index, first_lp)
+                stream = self.backend.decode(plan.pool, DecodeRequest(preq, result.first_token, result.state, carrier,
+                                                                      result.handoff_key))
+                try:
+                    while True:
+                        try:
+                            chunk = await self._hop(plan, anext(stream))
+                        except StopAsyncIteration:
+                            break
+                        n_out, replica = chunk.num_output_tokens, chunk.replica
+                        produced[index] = n_out
+                        emitted.extend(chunk.token_ids)
+                        if chunk.text or chunk.token_ids:
+                            yield TextDelta(chunk.text, chunk.token_ids, rid, n_prompt, index,
+                                            self._logprobs(chunk.logprobs) if want_lp else ())
+                        if chunk.finished:
+                            reason = chunk.finish_reason or "length"
+                finally:
+                    await asyncio.wait_for(stream.aclose(), 5.0)
+                break
+            except (ReplicaFailed, HandoffLost) as e:
+                failures += 1
+                span.add_event("failover", {"deltaserve.error": str(e)[:200], "deltaserve.delivered_tokens": len(emitted),
+                                            "deltaserve.choice": index})
+                if failures > self.failover_attempts:
+                    raise Unavailable(f"request {rid} failed on {failures} replicas; retry later") from e
+                self.failovers += 1
+                await asyncio.sleep(min(0.1 * failures, self._remaining(plan)))  # let Serve notice a dead replica
+        cached = cached or 0
+        t_end = time.monotonic()
+        t_first = t_first or t_end
+        usage = Usage(
+            prompt_tokens=n_prompt,
+            completion_tokens=n_out,
+            cached_tokens=cached,
+            time_to_first_token_s=t_first - t0,
+            output_tokens_per_s=(n_out - 1) / (t_end - t_first) if n_out > 1 and t_end > t_first else 0.0,
+            end_to_end_s=t_end - t0,
+        )
+        yield Finished(reason, usage, inp.model, plan.pool, replica, rid, index=index)
+
+
+async def _merge(streams: list[AsyncIterator]) -> AsyncIterator:
+    """Events of several async iterators as they come; the first error cancels the others and
+    is raised. Closing the merged stream closes every source."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(stream: AsyncIterator) -> None:
+        try:
+            async for ev in stream:
+                await queue.put((ev, None))
+            await queue.put((done, None))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            await queue.put((done, e))
+        finally:
+            await stream.aclose()
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        left = len(tasks)
+        while left:
+            ev, err = await queue.get()
+            if err is not None:
+                raise err
+            if ev is done:
+                left -= 1
+            else:
+                yield ev
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import inspect
 import math
+import uuid
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import grpc
 
 from deployments.gateway.errors import BadRequest, grpc_error
 from deployments.gateway.grpc_proxy import SERVICE_NAME
-from deployments.gateway.protocol import ChatMessage, CompletionInput, Finished, TextDelta
+from deployments.gateway.protocol import ChatMessage, CompletionInput, Finished, TextDelta, TokenLogprobs
 from deployments.proto.deltaserve.v1 import inference_pb2 as pb
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -100,8 +101,9 @@ def _float32_value(value: float, param: str) -> float:
 def completion_input_from_request(request: pb.GenerateRequest, grpc_context: Any = None) -> CompletionInput:
     """Map a ``GenerateRequest`` onto :class:`CompletionInput`; raises :class:`BadRequest`.
 
-    Unset ``optional`` fields keep the CompletionInput defaults. Either ``prompt`` or
-    ``messages`` is the input (not both); value ranges are the frontend's to validate.
+    Unset ``optional`` fields keep the CompletionInput defaults (``max_tokens``: the rest of
+    the tenant's context). Either ``prompt`` or ``messages`` is the input (not both); value
+    ranges and limits are the frontend's to validate (the same code as HTTP's).
     """
     kwargs: dict[str, Any] = {"model": request.model}
     if len(request.messages):
@@ -116,6 +118,15 @@ def completion_input_from_request(request: pb.GenerateRequest, grpc_context: Any
         kwargs["temperature"] = _float32_value(request.temperature, "temperature")
     if request.HasField("top_p"):
         kwargs["top_p"] = _float32_value(request.top_p, "top_p")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if request.HasField(name):
+            kwargs[name] = _float32_value(getattr(request, name), name)
+    if request.HasField("logprobs"):
+        kwargs["logprobs"] = int(request.logprobs)
+    if request.user:
+        kwargs["user"] = request.user
+    if request.allow_special_tokens:
+        kwargs["allow_special_tokens"] = True
     if request.HasField("seed"):
         kwargs["seed"] = int(request.seed)
     if len(request.stop):
@@ -184,15 +195,27 @@ def success_trailers(fin: Finished, request_id: str) -> list[tuple[str, str]]:
     ]
 
 
-def _set_error(grpc_context: Any, exc: BaseException, rpc: str) -> None:
+def _logprobs_pb(entries: tuple[TokenLogprobs, ...]) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token=e.token, token_bytes=bytes(e.bytes), logprob=e.logprob,
+                            top=[pb.TokenAlternative(token=a.token, token_bytes=bytes(a.bytes), logprob=a.logprob)
+                                 for a in e.top]) for e in entries]
+
+
+def _new_request_id(request: pb.GenerateRequest) -> str:
+    """The request's id, made when the call arrives: replies, trailers and log lines carry it."""
+    return f"{'chatcmpl' if len(request.messages) else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+
+
+def _set_error(grpc_context: Any, exc: BaseException, rpc: str, request_id: str = "") -> None:
     """Report ``exc`` on the call (the one mapping: :func:`deployments.gateway.errors.grpc_error`,
     which logs a 5xx with its request id); re-raises it when there is no gRPC context (handle calls)."""
     if grpc_context is None:
         raise exc
-    code, details, trailers = grpc_error(exc, _serve_request_id(grpc_context) or f"{SERVICE_NAME}/{rpc}")
+    request_id = request_id or _serve_request_id(grpc_context) or f"{SERVICE_NAME}/{rpc}"
+    code, details, trailers = grpc_error(exc, request_id)
     grpc_context.set_code(getattr(grpc.StatusCode, code))
     grpc_context.set_details(details)
-    grpc_context.set_trailing_metadata(trailers)
+    grpc_context.set_trailing_metadata([*trailers, (MD_REQUEST_ID, request_id)])
 
 
 # --------------------------------------------------------------------------------------
@@ -210,7 +233,7 @@ class GrpcInferenceMixin:
 
     frontend: Any
 
-    #: How a GenerateStream error that happens before the first event is reported.
+    #: How a GenerateStream error is reported (before or after the first event).
     #: Serve only forwards trailing metadata alongside a yielded message, so
     #: True (default): yield one empty ``GenerateStreamResponse`` (``finished`` false)
     #:   carrying the status code, details and trailing metadata (``retry-after``...): the
@@ -220,22 +243,25 @@ class GrpcInferenceMixin:
     stream_error_carrier: bool = True
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context: Any = None) -> pb.GenerateResponse:
+        rid = _new_request_id(request)
         try:
             inp = completion_input_from_request(request, grpc_context)
             api_key = api_key_from_metadata(grpc_context)
             text: list[str] = []
             token_ids: list[int] = []
+            logprobs: list[TokenLogprobs] = []
             fin: Finished | None = None
-            async for event in self.frontend.complete(api_key, inp):
+            async for event in self.frontend.complete(api_key, inp, request_id=rid):
                 if isinstance(event, TextDelta):
                     text.append(event.text)
                     token_ids.extend(event.token_ids)
+                    logprobs.extend(event.logprobs)
                 elif isinstance(event, Finished):
                     fin = event
             if fin is None:
                 raise RuntimeError("the frontend ended the stream without a Finished event")
         except Exception as e:
-            _set_error(grpc_context, e, "Generate")
+            _set_error(grpc_context, e, "Generate", rid)
             return pb.GenerateResponse()
         request_id = fin.request_id or _serve_request_id(grpc_context)
         if grpc_context is not None:
@@ -249,30 +275,31 @@ class GrpcInferenceMixin:
             pool=fin.pool,
             replica=fin.replica,
             request_id=request_id,
+            logprobs=_logprobs_pb(tuple(logprobs)),
         )
 
     async def GenerateStream(
         self, request: pb.GenerateRequest, grpc_context: Any = None
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        sent = 0
+        rid = _new_request_id(request)
         events = None
         fin: Finished | None = None
         try:
             inp = completion_input_from_request(request, grpc_context)
             api_key = api_key_from_metadata(grpc_context)
-            events = self.frontend.complete(api_key, inp)
+            events = self.frontend.complete(api_key, inp, request_id=rid)
             async for event in events:
                 if isinstance(event, TextDelta):
-                    yield pb.GenerateStreamResponse(text=event.text, token_ids=event.token_ids)
-                    sent += 1
+                    yield pb.GenerateStreamResponse(text=event.text, token_ids=event.token_ids,
+                                                    logprobs=_logprobs_pb(event.logprobs))
                 elif isinstance(event, Finished):
                     fin = event
                     break
             if fin is None:
                 raise RuntimeError("the frontend ended the stream without a Finished event")
         except Exception as e:
-            _set_error(grpc_context, e, "GenerateStream")
-            if sent == 0 and self.stream_error_carrier:
+            _set_error(grpc_context, e, "GenerateStream", rid)
+            if self.stream_error_carrier:  # before or after the first message: the status travels with it
                 yield pb.GenerateStreamResponse()
                 return
             raise
@@ -291,6 +318,7 @@ class GrpcInferenceMixin:
             model=fin.model,
             pool=fin.pool,
             replica=fin.replica,
+            request_id=request_id,
         )
 
     async def ListModels(self, request: pb.ListModelsRequest, grpc_context: Any = None) -> pb.ListModelsResponse:
@@ -302,4 +330,5 @@ class GrpcInferenceMixin:
         except Exception as e:
             _set_error(grpc_context, e, "ListModels")
             return pb.ListModelsResponse()
-        return pb.ListModelsResponse(models=[pb.Model(id=c.id, pool=c.pool, owned_by=c.owned_by) for c in cards])
+        return pb.ListModelsResponse(models=[pb.Model(id=c.id, pool=c.pool, owned_by=c.owned_by, created=c.created,
+                                                          max_model_len=c.max_model_len) for c in cards])

@@ -1,28 +1,60 @@
-"""HTTP ingress: the OpenAI-compatible API (FastAPI), plus gRPC methods on the same deployment.
+"""HTTP ingress: the OpenAI-compatible API (FastAPI).
 
-Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
-(server-sent events when ``stream`` is true), ``GET /healthz``, OpenAPI at ``/docs``.
-Every response names the pool and replica that served it (``x-deltaserve-pool``,
-``x-deltaserve-replica`` headers and the ``model`` field). Errors use OpenAI's shape
-``{"error": {"message", "type", "param", "code"}}`` with the matching status code.
+Endpoints: ``GET /v1/models``, ``GET /v1/models/{model}``, ``POST /v1/completions``,
+``POST /v1/chat/completions`` (server-sent events when ``stream`` is true), ``GET /healthz``,
+OpenAPI at ``/docs``. Every response names the pool and replica that served it
+(``x-deltaserve-pool``, ``x-deltaserve-replica`` headers and the ``model`` field) and the
+request id (``x-deltaserve-request-id``, the completion's ``id``, and the id in the logs).
+
+Every error, unknown routes and wrong methods included, has OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}`` with the matching status code, rendered by
+the one mapping :func:`deployments.gateway.errors.http_error` (which logs each 5xx once with its
+request id). A stream that fails after its first byte ends with ``data: {"error": …}`` and
+``data: [DONE]``.
+
+OpenAI parameters this platform does not implement are declared (so the 400 names them as
+unsupported, :data:`UNSUPPORTED`); a value equal to the parameter's no-op (``echo: false``,
+``best_of: 1``, ``tools: []``…) is accepted. Anything else unknown is "Unrecognized".
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import time
-from typing import Any, AsyncIterator, Literal
+import uuid
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments.gateway.protocol import ChatMessage, CompletionInput, Finished, TextDelta
-from deployments.gateway.errors import ApiError, BadRequest, InternalError
+from deployments.gateway.protocol import (ChatMessage, CompletionInput, Finished, RequestLimits, TextDelta,
+                                          TokenLogprobs, total_usage)
+from deployments.gateway.errors import (ApiError, BadRequest, MethodNotAllowed, NotFound, PayloadTooLarge,
+                                        UnsupportedParameter, http_error)
 
-log = logging.getLogger("deltaserve.http")
+#: OpenAI parameters the platform does not implement → the values that mean "off" (accepted).
+UNSUPPORTED: dict[str, tuple] = {
+    "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,), "functions": (None, []),
+    "function_call": (None, "none"), "response_format": (None, {"type": "text"}), "logit_bias": (None, {}),
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
+    "service_tier": (None, "auto", "default"), "store": (None, False), "metadata": (None, {}),
+    "reasoning_effort": (None,), "suffix": (None, ""), "echo": (None, False), "best_of": (None, 1),
+}
+_UNSUPPORTED_DOC = "not supported by this platform: any value but its no-op is a 400 (unsupported_parameter)"
+_LIMITS = RequestLimits()
+
+
+def _unsupported(**defaults: Any) -> Any:
+    return Field(None, description=_UNSUPPORTED_DOC, **defaults)
+
+
+class _StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = Field(False, description="a last chunk with the request's usage")
+    continuous_usage_stats: bool = Field(False, description="(vLLM's) with include_usage, every chunk also carries usage so far")
 
 
 class _OpenAIRequest(BaseModel):
@@ -30,78 +62,136 @@ class _OpenAIRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(description="model id: '<model>' (standard) or '<model>-highspeed'")
-    max_tokens: int | None = Field(None, description="tokens to generate (default 16)")
-    temperature: float = Field(1.0, description="0 = greedy")
-    top_p: float = Field(1.0)
-    n: int = Field(1, description="only 1 is supported")
-    stream: bool = False
-    stream_options: dict[str, Any] | None = Field(None, description="include_usage: a last chunk with usage; with "
-                                                  "continuous_usage_stats (as vLLM's) every chunk also carries usage so far")
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    max_tokens: int | None = Field(None, ge=1, description="tokens to generate per choice")
+    temperature: float | None = Field(None, description="in [0, 2] (default 1); 0 = greedy")
+    top_p: float | None = Field(None, description="in (0, 1] (default 1)")
+    n: int | None = Field(None, description=f"choices to generate, 1 to {_LIMITS.max_n} (default 1); with a seed, "
+                          "choice i uses seed + i; n * max_tokens counts against the tenant's tokens/min")
+    stream: bool | None = False
+    stream_options: _StreamOptions | None = None
+    stop: str | list[str] | None = Field(None, description=f"up to {_LIMITS.max_stop} strings of at most "
+                                         f"{_LIMITS.max_stop_chars} characters each")
+    seed: int | None = Field(None, description="int64; the same seed and parameters give the same output")
+    user: str | None = Field(None, description=f"the end user (at most {_LIMITS.max_id_chars} characters): recorded on the request's trace")
+    presence_penalty: float | None = Field(None, description="in [-2, 2] (default 0)")
+    frequency_penalty: float | None = Field(None, description="in [-2, 2] (default 0)")
     ignore_eos: bool = Field(False, description="deltaserve extension: do not stop at end-of-sequence")
-    cache_salt: str | None = Field(None, description="cache salt (as vLLM's): only requests with the same salt share cached prefixes; narrows the tenant's own namespace")
+    cache_salt: str | None = Field(None, description="cache salt (as vLLM's): only requests with the same salt share "
+                                   "cached prefixes; narrows the tenant's own namespace")
+    tools: Any = _unsupported()
+    tool_choice: Any = _unsupported()
+    parallel_tool_calls: Any = _unsupported()
+    functions: Any = _unsupported()
+    function_call: Any = _unsupported()
+    response_format: Any = _unsupported()
+    logit_bias: Any = _unsupported()
+    audio: Any = _unsupported()
+    modalities: Any = _unsupported()
+    prediction: Any = _unsupported()
+    web_search_options: Any = _unsupported()
+    service_tier: Any = _unsupported()
+    store: Any = _unsupported()
+    metadata: Any = _unsupported()
+    reasoning_effort: Any = _unsupported()
 
     def common(self) -> dict:
-        if self.n != 1:
-            raise BadRequest(f"n must be 1, got {self.n}", param="n")
-        if self.presence_penalty or self.frequency_penalty:
-            raise BadRequest("presence_penalty and frequency_penalty are not supported (must be 0)", param="presence_penalty")
+        bad = [k for k in UNSUPPORTED if k in self.model_fields_set and getattr(self, k) not in UNSUPPORTED[k]]
+        if bad:
+            raise UnsupportedParameter(f"Unsupported parameter{'s' if len(bad) > 1 else ''}: {', '.join(bad)}: "
+                                       "not supported by this platform", param=bad[0])
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return dict(model=self.model, max_tokens=16 if self.max_tokens is None else self.max_tokens,
-                    temperature=self.temperature, top_p=self.top_p, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
-                    cache_salt=self.cache_salt)
+        return dict(model=self.model, max_tokens=self.max_tokens,
+                    temperature=1.0 if self.temperature is None else self.temperature,
+                    top_p=1.0 if self.top_p is None else self.top_p, n=1 if self.n is None else self.n,
+                    seed=self.seed, stop=stop, ignore_eos=self.ignore_eos, cache_salt=self.cache_salt, user=self.user,
+                    presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0)
 
 
 class CompletionRequest(_OpenAIRequest):
-    prompt: str | list[str] = Field(description="the prompt (a list must hold exactly one string)")
-    echo: bool = False
-    logprobs: int | None = None
-    suffix: str | None = None
+    prompt: str | list[str] = Field(description="the prompt (a list must hold exactly one string); literal "
+                                    "control-token strings in it are plain text unless allow_special_tokens")
+    max_tokens: int | None = Field(None, ge=1, description="tokens to generate per choice (default 16, as OpenAI's)")
+    logprobs: int | None = Field(None, description=f"0 to {_LIMITS.max_logprobs}: each token's logprob and this "
+                                 "many most likely alternatives")
+    allow_special_tokens: bool = Field(False, description="deltaserve extension: literal control-token strings in the "
+                                       "prompt (e.g. '<|im_end|>') encode as those control tokens; default: as plain text")
+    echo: Any = _unsupported()
+    suffix: Any = _unsupported()
+    best_of: Any = _unsupported()
 
     def to_input(self, session_id: str | None) -> CompletionInput:
-        if self.echo or self.logprobs is not None or self.suffix is not None:
-            raise BadRequest("echo, logprobs and suffix are not supported", param="echo")
+        common = self.common()
+        if common["max_tokens"] is None:
+            common["max_tokens"] = 16
         prompt = self.prompt
         if isinstance(prompt, list):
             if len(prompt) != 1:
                 raise BadRequest(f"prompt lists must hold exactly one string, got {len(prompt)}", param="prompt")
             prompt = prompt[0]
-        return CompletionInput(prompt=prompt, session_id=session_id, **self.common())
+        return CompletionInput(prompt=prompt, session_id=session_id, logprobs=self.logprobs,
+                               allow_special_tokens=self.allow_special_tokens, **common)
+
+
+class _ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")  # other part types carry other fields: they are named in the 400
+    type: str = Field(description="only 'text' is supported")
+    text: str | None = None
 
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str
+    role: str = Field(description="'system', 'developer' (as system), 'user' or 'assistant'")
+    content: str | list[_ContentPart] = Field(description="a string, or a list of text parts "
+                                              f"(at most {_LIMITS.max_content_parts}) joined in order")
     name: str | None = None
+    tool_calls: Any = _unsupported()
+    tool_call_id: Any = _unsupported()
+    function_call: Any = _unsupported()
+    refusal: Any = _unsupported()
+    audio: Any = _unsupported()
+
+    def to_message(self, i: int) -> ChatMessage:
+        bad = [k for k in ("tool_calls", "tool_call_id", "function_call", "refusal", "audio")
+               if getattr(self, k) is not None]
+        if bad:
+            raise UnsupportedParameter(f"Unsupported parameter: messages[{i}].{bad[0]}: not supported by this platform",
+                                       param=f"messages.{i}.{bad[0]}")
+        content = self.content
+        if isinstance(content, list):
+            if len(content) > _LIMITS.max_content_parts:
+                raise BadRequest(f"messages[{i}].content may hold at most {_LIMITS.max_content_parts} parts, got "
+                                 f"{len(content)}", param=f"messages.{i}.content")
+            other = sorted({p.type for p in content if p.type != "text"})
+            if other:
+                raise UnsupportedParameter(f"messages[{i}].content: unsupported content part type(s) "
+                                           f"{[t[:40] for t in other]}; only 'text' is supported",
+                                           param=f"messages.{i}.content")
+            if any(p.text is None for p in content):
+                raise BadRequest(f"messages[{i}].content: a text part needs 'text'", param=f"messages.{i}.content")
+            content = "".join(p.text for p in content)
+        return ChatMessage("system" if self.role == "developer" else self.role, content)
 
 
 class ChatCompletionRequest(_OpenAIRequest):
-    messages: list[_Message]
-    max_completion_tokens: int | None = None
+    messages: list[_Message] = Field(description=f"at most {_LIMITS.max_messages} messages")
+    max_completion_tokens: int | None = Field(None, ge=1, description="tokens to generate per choice; wins over "
+                                              "max_tokens (default: the rest of the tenant's context)")
+    logprobs: bool | None = Field(None, description="each output token's logprob")
+    top_logprobs: int | None = Field(None, description=f"with logprobs: 0 to {_LIMITS.max_logprobs} most likely "
+                                     "alternatives per token")
 
     def to_input(self, session_id: str | None) -> CompletionInput:
         common = self.common()
         if self.max_completion_tokens is not None:
             common["max_tokens"] = self.max_completion_tokens
-        msgs = tuple(ChatMessage("system" if m.role == "developer" else m.role, m.content) for m in self.messages)
-        return CompletionInput(messages=msgs, session_id=session_id, **common)
-
-
-def error_response(err: ApiError | Exception) -> JSONResponse:
-    status = getattr(err, "status", 500)
-    body = {"error": {"message": getattr(err, "message", None) or str(err) or "internal error",
-                      "type": getattr(err, "type", "invalid_request_error" if status < 500 else "server_error"),
-                      "param": getattr(err, "param", None), "code": getattr(err, "code", None)}}
-    headers = {}
-    retry = getattr(err, "retry_after_s", None)
-    if retry is not None:
-        headers["retry-after"] = str(max(1, int(-(-retry // 1))))
-    return JSONResponse(body, status_code=status, headers=headers)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise BadRequest("top_logprobs needs logprobs set to true", param="top_logprobs")
+        if len(self.messages) > _LIMITS.max_messages:
+            raise BadRequest(f"messages may hold at most {_LIMITS.max_messages} messages, got {len(self.messages)}",
+                             param="messages")
+        msgs = tuple(m.to_message(i) for i, m in enumerate(self.messages))
+        return CompletionInput(messages=msgs, session_id=session_id, logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+                               **common)
 
 
 def _api_key(request: Request) -> str | None:
@@ -109,8 +199,20 @@ def _api_key(request: Request) -> str | None:
     return auth if auth else request.headers.get("x-api-key")
 
 
-def _usage_json(fin: Finished) -> dict:
-    u = fin.usage
+def _request_id(request: Request, prefix: str = "req") -> str:
+    """The request's id, made once when the request arrives; every response and log line carries it."""
+    rid = getattr(request.state, "deltaserve_request_id", None)
+    if rid is None:
+        rid = request.state.deltaserve_request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
+    return rid
+
+
+def _error(exc: BaseException, request_id: str) -> JSONResponse:
+    status, body, headers = http_error(exc, request_id)
+    return JSONResponse(body, status_code=status, headers={**headers, "x-deltaserve-request-id": request_id})
+
+
+def _usage_json(u) -> dict:
     return {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
@@ -122,9 +224,21 @@ def _usage_json(fin: Finished) -> dict:
     }
 
 
-def _headers(fin: Finished | None, pool: str) -> dict:
-    return {"x-deltaserve-pool": pool, "x-deltaserve-replica": fin.replica if fin else "",
-            "x-deltaserve-request-id": fin.request_id if fin else ""}
+def _completion_logprobs(entries: list[TokenLogprobs], offset: int) -> dict:
+    """OpenAI's completions ``logprobs`` object; ``text_offset`` counts characters of the tokens'
+    texts from ``offset`` (the characters of this choice before them)."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token)
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{a.token: a.logprob for a in e.top} for e in entries], "text_offset": offsets}
+
+
+def _chat_logprobs(entries: list[TokenLogprobs]) -> dict:
+    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": list(e.bytes),
+                         "top_logprobs": [{"token": a.token, "logprob": a.logprob, "bytes": list(a.bytes)} for a in e.top]}
+                        for e in entries], "refusal": None}
 
 
 async def _first(events: AsyncIterator) -> list:
@@ -137,86 +251,6 @@ async def _first(events: AsyncIterator) -> list:
     return got
 
 
-def build_http_app() -> FastAPI:
-    app = FastAPI(title="deltaserve", version="0.1.0",
-                  description="OpenAI-compatible API for Kimi-K3-family models; two pools: '<model>' and '<model>-highspeed'.")
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError):
-        errs = exc.errors()
-        first = errs[0] if errs else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        if first.get("type") == "json_invalid":
-            return error_response(BadRequest(f"request body is not valid JSON: {first.get('msg')}"))
-        if first.get("type") == "extra_forbidden":
-            return error_response(BadRequest(f"Unrecognized request argument supplied: {'.'.join(loc)}", param=".".join(loc)))
-        return error_response(BadRequest(f"invalid request: {'.'.join(loc) or 'body'}: {first.get('msg')}", param=".".join(loc) or None))
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError):
-        return error_response(exc)
-
-    return app
-
-
-app = build_http_app()
-
-
-class IngressRoutes:
-    """Mixed into the ingress deployment class (see app.py); ``self.frontend`` serves the requests."""
-
-    @app.get("/healthz")
-    async def healthz(self) -> dict:
-        return {"status": "ok", "models": sorted(self.frontend.model_ids())}
-
-    @app.get("/v1/models")
-    async def models(self, request: Request):
-        try:
-            cards = self.frontend.list_models(_api_key(request))
-        except Exception as e:  # tenants errors carry .status
-            return error_response(e) if hasattr(e, "status") else _internal(e)
-        return {"object": "list", "data": [{"id": c.id, "object": "model", "created": 0, "owned_by": c.owned_by,
-                                            "pool": c.pool} for c in cards]}
-
-    @app.post("/v1/completions")
-    async def completions(self, body: CompletionRequest, request: Request):
-        return await self._serve(body, request, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
-        return await self._serve(body, request, chat=True)
-
-    async def _serve(self, body, request: Request, *, chat: bool):
-        created = int(time.time())
-        try:
-            inp = body.to_input(request.headers.get("x-session-id"))
-            events = self.frontend.complete(_api_key(request), inp)
-            head = await _first(events)
-        except ValidationError as e:
-            return error_response(BadRequest(str(e)))
-        except Exception as e:
-            return error_response(e) if hasattr(e, "status") else _internal(e)
-        pool = self.frontend.resolve(inp.model)
-        if not body.stream:
-            text, fin = [], None
-            async for ev in _chain(head, events):
-                if isinstance(ev, TextDelta):
-                    text.append(ev.text)
-                else:
-                    fin = ev
-            content = "".join(text)
-            choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": fin.finish_reason}
-                      if chat else {"index": 0, "text": content, "finish_reason": fin.finish_reason, "logprobs": None})
-            return JSONResponse({"id": fin.request_id, "object": "chat.completion" if chat else "text_completion",
-                                 "created": created, "model": fin.model, "choices": [choice], "usage": _usage_json(fin),
-                                 "system_fingerprint": fin.pool}, headers=_headers(fin, pool))
-        opts = body.stream_options or {}
-        include_usage = bool(opts.get("include_usage"))
-        continuous = include_usage and bool(opts.get("continuous_usage_stats"))
-        return StreamingResponse(_sse(_chain(head, events), chat, created, include_usage, inp.model, continuous),
-                                 media_type="text/event-stream", headers={"x-deltaserve-pool": pool, "cache-control": "no-cache"})
-
-
 async def _chain(head: list, rest: AsyncIterator):
     for ev in head:
         yield ev
@@ -224,43 +258,256 @@ async def _chain(head: list, rest: AsyncIterator):
         yield ev
 
 
-async def _sse(events: AsyncIterator, chat: bool, created: int, include_usage: bool, model: str,
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` is a 413 before anything parses it
+    (by ``Content-Length``, or by counting the bytes of a chunked body as they arrive)."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def _reject(self, send, what: str) -> None:
+        err = PayloadTooLarge(f"the request body is {what}; the limit is {self.max_bytes} bytes")
+        rid = f"req-{uuid.uuid4().hex[:24]}"
+        status, body, _ = http_error(err, rid)
+        payload = json.dumps(body).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+                                (b"x-deltaserve-request-id", rid.encode())]})
+        await send({"type": "http.response.body", "body": payload})
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            return await self._reject(send, f"{length.decode('latin-1')[:20]} bytes (Content-Length)")
+        body = bytearray()
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return  # the client went away
+            body += msg.get("body", b"")
+            if len(body) > self.max_bytes:
+                return await self._reject(send, f"over {len(body)} bytes")
+            if not msg.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def build_http_app(limits: RequestLimits = _LIMITS) -> FastAPI:
+    """The FastAPI app without routes: error handlers and the body limit (routes: :class:`IngressRoutes`)."""
+    app = FastAPI(title="deltaserve", version="0.1.0",
+                  description="OpenAI-compatible API for Kimi-K3-family models; two pools: '<model>' and '<model>-highspeed'.")
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        where = ".".join(loc)
+        if first.get("type") == "json_invalid":
+            err = BadRequest(f"request body is not valid JSON: {first.get('msg')}")
+        elif first.get("type") == "extra_forbidden":
+            err = BadRequest(f"Unrecognized request argument supplied: {where[:100]}", param=where[:100])
+        else:
+            err = BadRequest(f"invalid request: {where or 'body'}: {first.get('msg')}", param=where or None)
+        return _error(err, _request_id(request))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        method, path = request.method, request.url.path[:200]
+        if exc.status_code == 404:
+            err: ApiError = NotFound(f"Unknown route: {method} {path}")
+        elif exc.status_code == 405:
+            err = MethodNotAllowed(f"Method {method} is not allowed on {path}")
+        else:
+            err = BadRequest(f"invalid request to {method} {path}")
+            err.status = exc.status_code if 400 <= exc.status_code < 500 else 400
+        resp = _error(err, _request_id(request))
+        if exc.headers and "allow" in {k.lower() for k in exc.headers}:
+            resp.headers["allow"] = next(v for k, v in exc.headers.items() if k.lower() == "allow")
+        return resp
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return _error(exc, _request_id(request))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        return _error(exc, _request_id(request))
+
+    return app
+
+
+app = build_http_app()
+_ROUTES: list[tuple[str, str, str]] = []  # (method, path, IngressRoutes method name): see standalone_app
+
+
+def _route(method: str, path: str) -> Callable:
+    def register(fn: Callable) -> Callable:
+        _ROUTES.append((method, path, fn.__name__))
+        return app.api_route(path, methods=[method])(fn)
+
+    return register
+
+
+class IngressRoutes:
+    """Mixed into the ingress deployment class (see ingress.py); ``self.frontend`` serves the requests."""
+
+    frontend: Any
+
+    @_route("GET", "/healthz")
+    async def healthz(self) -> dict:
+        return {"status": "ok", "models": sorted(self.frontend.model_ids())}
+
+    @staticmethod
+    def _card(c) -> dict:
+        return {"id": c.id, "object": "model", "created": c.created, "owned_by": c.owned_by, "pool": c.pool,
+                "max_model_len": c.max_model_len}
+
+    @_route("GET", "/v1/models")
+    async def models(self, request: Request):
+        try:
+            cards = self.frontend.list_models(_api_key(request))
+        except Exception as e:
+            return _error(e, _request_id(request))
+        return {"object": "list", "data": [self._card(c) for c in cards]}
+
+    @_route("GET", "/v1/models/{model:path}")
+    async def model(self, model: str, request: Request):
+        try:
+            return self._card(self.frontend.model_card(_api_key(request), model))
+        except Exception as e:
+            return _error(e, _request_id(request))
+
+    @_route("POST", "/v1/completions")
+    async def completions(self, body: CompletionRequest, request: Request):
+        return await self._serve(body, request, chat=False)
+
+    @_route("POST", "/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        return await self._serve(body, request, chat=True)
+
+    async def _serve(self, body, request: Request, *, chat: bool):
+        created = int(time.time())
+        rid = _request_id(request, "chatcmpl" if chat else "cmpl")
+        try:
+            inp = body.to_input(request.headers.get("x-session-id"))
+            events = self.frontend.complete(_api_key(request), inp, request_id=rid)
+            head = await _first(events)
+            pool = self.frontend.resolve(inp.model)
+            if not body.stream:
+                return await _whole(_chain(head, events), chat, created, rid, pool, inp.n, inp.logprobs is not None)
+        except Exception as e:
+            return _error(e, rid)
+        if body.stream:
+            opts = body.stream_options or _StreamOptions()
+            stream = _sse(_chain(head, events), chat, created, opts.include_usage, inp.model, rid, inp.n,
+                          opts.include_usage and opts.continuous_usage_stats)
+            return StreamingResponse(stream, media_type="text/event-stream",
+                                     headers={"x-deltaserve-pool": pool, "x-deltaserve-request-id": rid,
+                                              "cache-control": "no-cache"})
+
+
+async def _collect(events: AsyncIterator, n: int) -> tuple[list[list[str]], list[list[TokenLogprobs]], list[Finished]]:
+    text: list[list[str]] = [[] for _ in range(n)]
+    lps: list[list[TokenLogprobs]] = [[] for _ in range(n)]
+    fins: list[Finished] = []
+    async for ev in events:
+        if isinstance(ev, TextDelta):
+            text[ev.index].append(ev.text)
+            lps[ev.index].extend(ev.logprobs)
+        else:
+            fins.append(ev)
+    return text, lps, sorted(fins, key=lambda f: f.index)
+
+
+async def _whole(events: AsyncIterator, chat: bool, created: int, rid: str, pool: str, n: int,
+                 logprobs: bool) -> JSONResponse:
+    """The whole completion as one response: its ``n`` choices by index, the usage summed."""
+    text, lps, fins = await _collect(events, n)
+    choices = []
+    for fin in fins:
+        content, lp = "".join(text[fin.index]), lps[fin.index]
+        if chat:
+            choices.append({"index": fin.index, "message": {"role": "assistant", "content": content},
+                            "finish_reason": fin.finish_reason, "logprobs": _chat_logprobs(lp) if logprobs else None})
+        else:
+            choices.append({"index": fin.index, "text": content, "finish_reason": fin.finish_reason,
+                            "logprobs": _completion_logprobs(lp, 0) if logprobs else None})
+    last = fins[-1]
+    return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                         "model": last.model, "choices": choices, "usage": _usage_json(total_usage(fins)),
+                         "system_fingerprint": last.pool},
+                        headers={"x-deltaserve-pool": pool, "x-deltaserve-replica": last.replica,
+                                 "x-deltaserve-request-id": rid})
+
+
+async def _sse(events: AsyncIterator, chat: bool, created: int, include_usage: bool, model: str, rid: str, n: int,
                continuous: bool = False) -> AsyncIterator[str]:
-    """One SSE event per :class:`TextDelta` (its text may hold several tokens), then the finish
-    event, the usage event (``include_usage``) and ``[DONE]``. ``continuous``: every text
-    event also carries ``usage`` so far (vLLM's ``continuous_usage_stats``)."""
+    """One SSE event per :class:`TextDelta` (its text may hold several tokens; ``index`` names
+    its choice), a finish event per choice, then the usage event (``include_usage``) and
+    ``[DONE]``. ``continuous``: every text event also carries ``usage`` so far (vLLM's
+    ``continuous_usage_stats``). An error after the first byte is an ``error`` event, then ``[DONE]``."""
     obj = "chat.completion.chunk" if chat else "text_completion"
-    first = True
-    rid = ""
+    started = [False] * n
+    offsets = [0] * n
     n_out = 0
+    fins: list[Finished] = []
     try:
         async for ev in events:
+            i = ev.index
             if isinstance(ev, TextDelta):
-                rid = ev.request_id
-                delta = {"role": "assistant", "content": ev.text} if chat and first else {"content": ev.text}
-                choice = {"index": 0, "delta": delta, "finish_reason": None} if chat else \
-                    {"index": 0, "text": ev.text, "finish_reason": None, "logprobs": None}
-                first = False
-                event = {'id': rid, 'object': obj, 'created': created, 'model': model, 'choices': [choice]}
+                if chat:
+                    delta = {"role": "assistant", "content": ev.text} if not started[i] else {"content": ev.text}
+                    choice = {"index": i, "delta": delta, "finish_reason": None,
+                              "logprobs": _chat_logprobs(list(ev.logprobs)) if ev.logprobs else None}
+                else:
+                    choice = {"index": i, "text": ev.text, "finish_reason": None,
+                              "logprobs": _completion_logprobs(list(ev.logprobs), offsets[i]) if ev.logprobs else None}
+                    offsets[i] += sum(len(e.token) for e in ev.logprobs)
+                started[i] = True
+                event = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
                 if continuous:
                     n_out += len(ev.token_ids)
                     event["usage"] = {"prompt_tokens": ev.prompt_tokens, "completion_tokens": n_out,
                                       "total_tokens": ev.prompt_tokens + n_out}
                 yield f"data: {json.dumps(event)}\n\n"
             else:
-                rid = ev.request_id
-                choice = {"index": 0, "delta": {}, "finish_reason": ev.finish_reason} if chat else \
-                    {"index": 0, "text": "", "finish_reason": ev.finish_reason, "logprobs": None}
+                fins.append(ev)
+                choice = {"index": i, "delta": {}, "finish_reason": ev.finish_reason, "logprobs": None} if chat else \
+                    {"index": i, "text": "", "finish_reason": ev.finish_reason, "logprobs": None}
                 meta = {"pool": ev.pool, "replica": ev.replica}
                 yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': ev.model, 'choices': [choice], 'deltaserve': meta})}\n\n"
-                if include_usage:
-                    yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': ev.model, 'choices': [], 'usage': _usage_json(ev)})}\n\n"
+        if include_usage and fins:
+            usage = _usage_json(total_usage(fins))
+            yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': model, 'choices': [], 'usage': usage})}\n\n"
     except Exception as e:
-        log.exception("stream failed")
-        yield f"data: {json.dumps({'error': {'message': getattr(e, 'message', str(e)), 'type': 'server_error', 'code': getattr(e, 'code', None)}})}\n\n"
+        _, body, _ = http_error(e, rid)
+        yield f"data: {json.dumps(body)}\n\n"
     yield "data: [DONE]\n\n"
 
 
-def _internal(e: Exception) -> JSONResponse:
-    log.exception("internal error", exc_info=e)
-    return error_response(InternalError("internal error"))
+def standalone_app(frontend) -> FastAPI:
+    """The same API served by ``frontend`` in this process, without Serve (tests, benchmarks):
+    :class:`IngressRoutes`' routes bound to one instance."""
+
+    class _Local(IngressRoutes):
+        def __init__(self) -> None:
+            self.frontend = frontend
+
+    owner = _Local()
+    local = build_http_app()
+    for method, path, name in _ROUTES:
+        local.add_api_route(path, getattr(owner, name), methods=[method])
+    return local

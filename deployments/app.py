@@ -14,7 +14,6 @@ deployments.app:build_app`` and the Serve config in ``deployments/serve_config.y
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 from ray import serve
@@ -25,32 +24,65 @@ from deployments.gateway.ingress import IngressASGI
 from deployments.tenancy import default_dev_tenants
 from deployments.workers.cache_admin import CacheAdmin
 from deployments.workers.decode import Decode
+from deployments.workers.handoff import GRPC_LIMIT_ENV, grpc_message_limit
 from deployments.workers.prefill import Prefill
 
-def _options(config: PlatformConfig, name: str, replicas: int) -> dict:
-    return {"name": name, "num_replicas": replicas, "max_ongoing_requests": 256, "graceful_shutdown_timeout_s": 120,
-            "ray_actor_options": {"num_cpus": config.replica_num_cpus}}
+
+def _options(config: PlatformConfig, name: str, replicas: int, *, max_ongoing: int, max_queued: int = -1) -> dict:
+    """Serve options of one deployment.
+
+    ``max_ongoing``: what one replica can hold (a prefill replica's slots, a decode replica's
+    ``max_num_seqs``): Serve sends it no more, so the rest wait in each caller's queue, bounded by
+    ``max_queued`` (-1: unbounded), beyond which the caller gets ``BackPressureError`` (a 503 with
+    Retry-After). Serve calls the replica's ``check_health`` every ``health_check_period_s`` and
+    replaces a replica that fails it three times in a row. Every replica accepts gRPC messages as
+    large as a handoff at the full context (throughput-optimized Serve sends requests and replies
+    between replicas over gRPC; :mod:`deployments.workers.handoff`); a larger limit already in the
+    cluster's environment stays.
+    """
+    limit = max(grpc_message_limit(config.model, config.max_model_len), int(os.environ.get(GRPC_LIMIT_ENV) or 0))
+    return {"name": name, "num_replicas": replicas, "max_ongoing_requests": max_ongoing,
+            "max_queued_requests": max_queued, "graceful_shutdown_timeout_s": 120,
+            "health_check_period_s": config.health_check_period_s, "health_check_timeout_s": config.health_check_timeout_s,
+            "ray_actor_options": {"num_cpus": config.replica_num_cpus,
+                                  "runtime_env": {"env_vars": {GRPC_LIMIT_ENV: str(limit)}}}}
 
 
 def build_app(args: dict | PlatformConfig | None = None) -> serve.Application:
-    """The Serve application for ``args`` (a PlatformConfig, its dict, or None for the defaults)."""
+    """The Serve application for ``args`` (a PlatformConfig, its dict, or None for the defaults).
+
+    Runs in Serve's controller, whose output goes to Ray's log files: it never prints an API key. A
+    missing tenants file is created here only with ``$DELTASERVE_API_KEY`` as the ``dev`` key;
+    without it this refuses (``deltaserve up`` creates the file and shows a generated key once, on
+    its own terminal)."""
     config = PlatformConfig.load(args)
     if not Path(config.tenants_file).exists():
-        _, key = default_dev_tenants(config.tenants_file, os.environ.get("DELTASERVE_API_KEY"))
-        if key:
-            print(f"deltaserve: created tenant 'dev' in {config.tenants_file}; API key (shown once): {key}", file=sys.stderr)
+        key = os.environ.get("DELTASERVE_API_KEY")
+        if not key:
+            raise ValueError(f"tenants file {config.tenants_file} does not exist: create it with `deltaserve tenants "
+                             f"add NAME --file {config.tenants_file}`, or set DELTASERVE_API_KEY to create it with "
+                             "that key as tenant 'dev' (`deltaserve up` creates it and shows a generated key once)")
+        default_dev_tenants(config.tenants_file, key)
     # Replica counts travel as deployment options only: bound arguments that differ would make
     # Serve redeploy every deployment, while a changed num_replicas just scales that one.
     counts, config = config.replica_counts(), config.without_replica_counts()
     shards = []
     if config.expert_mode == "pool":
-        shards = [serve.deployment(ExpertShard, **_options(config, name, counts[name])).bind(config, s, config.expert_shards)
+        # every prefill/decode replica sends one call per MoE layer and step: no engine cap to mirror
+        shards = [serve.deployment(ExpertShard, **_options(config, name, counts[name], max_ongoing=256)).bind(
+                      config, s, config.expert_shards)
                   for s in range(config.expert_shards) for name in [f"expert-pool-{s}"]]
     prefill, decode = {}, {}
-    for pool in config.pools:
-        prefill[pool] = serve.deployment(Prefill, **_options(config, f"prefill-{pool}", counts[f"prefill-{pool}"])).bind(
+    for pool, pc in config.pools.items():
+        prefill[pool] = serve.deployment(Prefill, **_options(config, f"prefill-{pool}", counts[f"prefill-{pool}"],
+                                                             max_ongoing=config.num_slots,
+                                                             max_queued=pc.max_queued_requests)).bind(
             config, pool, shards or None, object_store_handoff=True)
-        decode[pool] = serve.deployment(Decode, **_options(config, f"decode-{pool}", counts[f"decode-{pool}"])).bind(
+        decode[pool] = serve.deployment(Decode, **_options(config, f"decode-{pool}", counts[f"decode-{pool}"],
+                                                           max_ongoing=pc.max_num_seqs,
+                                                           max_queued=pc.max_queued_requests)).bind(
             config, pool, shards or None)
-    admin = serve.deployment(CacheAdmin, **_options(config, "cache-admin", 1)).bind(config, prefill, decode)
-    return serve.deployment(IngressASGI, **_options(config, "ingress", 1)).bind(config, prefill, decode, admin)
+    admin = serve.deployment(CacheAdmin, **_options(config, "cache-admin", 1, max_ongoing=16)).bind(config, prefill, decode)
+    return serve.deployment(IngressASGI, **_options(config, "ingress", 1, max_ongoing=config.ingress_max_ongoing_requests,
+                                                    max_queued=config.ingress_max_queued_requests)).bind(
+        config, prefill, decode, admin)

@@ -44,6 +44,18 @@ class PoolConfig(_Strict):
                                          "handoffs: a burst starts decoding in one step; 0 = off")
     decode_gather_gap_ms: float = Field(0.0, ge=0, description="the decode hold ends once no handoff has arrived for "
                                         "this long; at most decode_gather_wait_ms")
+    request_timeout_s: float = Field(600.0, gt=0, description="end-to-end deadline of one request in this pool, "
+                                     "failovers included (the frontend enforces it; past it: 504)")
+    max_queued_requests: int = Field(64, gt=0, description="requests an ingress replica holds waiting for a free "
+                                     "prefill (or decode) replica of this pool, beyond what the replicas take "
+                                     "(max_ongoing_requests: a prefill replica's num_slots, a decode replica's "
+                                     "max_num_seqs); one more gets 503 with Retry-After")
+    queue_timeout_s: float = Field(10.0, gt=0, description="longest a request waits in that queue for a replica "
+                                   "(all busy, or none live: killed, restarting, failed) before it gets 503 "
+                                   "with Retry-After")
+    stream_idle_timeout_s: float = Field(60.0, gt=0, description="longest a decode stream may go without a chunk "
+                                         "once a replica took it; past it the replica is treated as failed and the "
+                                         "stream fails over")
 
     @model_validator(mode="after")
     def _gather(self) -> "PoolConfig":
@@ -96,7 +108,7 @@ def _default_pools() -> dict[str, PoolConfig]:
                                stream_interval_ms=100, prefill_gather_wait_ms=100, prefill_gather_gap_ms=30,
                                decode_gather_wait_ms=60, decode_gather_gap_ms=10),
         "highspeed": PoolConfig(max_num_seqs=4, max_num_batched_tokens=256, ttft_slo_ms=1000, tpot_slo_ms=100,
-                                stream_interval_ms=20),
+                                stream_interval_ms=20, request_timeout_s=300, max_queued_requests=16),
     }
 
 
@@ -126,6 +138,14 @@ class PlatformConfig(_Strict):
     trace_memory: bool = Field(False, description="keep finished spans in memory per replica (tests)")
     cache: CacheConfig = Field(default_factory=CacheConfig, description="prefix / KDA-state cache")
     failover_attempts: int = Field(3, ge=0, description="times a stream whose decode replica died is resumed on another")
+    ingress_max_ongoing_requests: int = Field(1024, gt=0, description="requests (open streams included) one ingress "
+                                              "replica serves at once; Serve's proxy queues the rest")
+    ingress_max_queued_requests: int = Field(1024, gt=0, description="requests Serve's proxy holds for the ingress "
+                                             "beyond that; one more gets Serve's own 503")
+    health_check_period_s: float = Field(2.0, gt=0, description="how often Serve calls check_health on each replica; "
+                                         "three failures in a row and Serve replaces it")
+    health_check_timeout_s: float = Field(10.0, gt=0, description="a check_health call that takes longer counts as a "
+                                          "failure (a replica whose event loop is stuck)")
     serve_throughput_optimized: bool = Field(True, description="when `deltaserve up` starts the local Ray cluster: Ray "
                                              "Serve's throughput-optimized mode (RAY_SERVE_THROUGHPUT_OPTIMIZED=1: gRPC "
                                              "between replicas, user code on the replica's event loop), keeping Serve's "

@@ -16,6 +16,7 @@ import threading
 import time
 
 from deployments.config import PlatformConfig
+from deployments.gateway.grpc_proxy import GRPC_HOST_ENV, PROXY_CALLBACK
 from deployments.workers.replica import redis_url
 
 GRPC_SERVICER = "deployments.gateway.grpc_proxy.add_inference_servicer"
@@ -83,19 +84,24 @@ def deploy(apps: list[tuple[str, str, PlatformConfig]], *, timeout_s: float = 90
 def serve_env(config: PlatformConfig) -> dict[str, str]:
     """Environment Ray Serve reads in its controller, proxies and replicas, for a cluster started here.
 
-    Throughput-optimized Serve (a documented mode since Ray 2.55) sends requests and streamed
-    items between replicas over gRPC instead of Ray actor calls and runs user code on each
-    replica's own event loop: when it was introduced, 16 HTTP streams went from 0.61 of the
-    in-process engine's tokens/s (actor calls, ``--serve-actor-calls``) to about 0.7 in
-    interleaved runs; benchmarks/bench_serving.py measures this mode. Direct ingress (the ingress replica
-    serving HTTP itself, behind HAProxy) stays off: HAProxy binds its stats and metrics ports
-    on every interface. The router keeps its own loop, so handles also work from threads
-    (the expert pool's handle transport, the CLI).
+    Always: Serve's gRPC proxy listens on ``config.host`` (Serve binds every interface by itself;
+    :func:`deployments.gateway.grpc_proxy.bind_grpc_to_host` is the proxy callback that moves it).
+
+    Throughput-optimized Serve (a documented mode since Ray 2.55, unless ``--serve-actor-calls``)
+    sends requests and streamed items between replicas over gRPC instead of Ray actor calls and
+    runs user code on each replica's own event loop: when it was introduced, 16 HTTP streams went
+    from 0.61 of the in-process engine's tokens/s (actor calls) to about 0.7 in interleaved runs;
+    benchmarks/bench_serving.py measures this mode. Direct ingress (the ingress replica serving
+    HTTP itself, behind HAProxy) stays off: HAProxy binds its stats and metrics ports on every
+    interface. The router keeps its own loop, so handles also work from threads (the expert
+    pool's handle transport, the CLI). Its gRPC message limit is raised per deployment
+    (``deployments/app.py``), so that a handoff at the full context fits.
     """
-    if not config.serve_throughput_optimized:
-        return {}
-    return {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
-            "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
+    env = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": PROXY_CALLBACK, GRPC_HOST_ENV: config.host}
+    if config.serve_throughput_optimized:
+        env.update({"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+                    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"})
+    return env
 
 
 @contextlib.contextmanager
@@ -127,6 +133,25 @@ def start(config: PlatformConfig, *, app_name: str = "deltaserve", extra_apps: l
     deploy([(app_name, "/", config)] + list(extra_apps or []))
 
 
+def check_env_key(tenants_file: str, api_key: str | None) -> None:
+    """Raise ValueError when ``api_key`` ($DELTASERVE_API_KEY) is set but authenticates as no enabled
+    tenant of ``tenants_file`` (a file from an earlier run): the ready line would show a key that gets
+    401. The message says how to get a working key; it never repeats the key."""
+    from deployments.gateway.errors import ApiError
+    from deployments.tenancy import TenantRegistry
+
+    if not api_key:
+        return
+    try:
+        TenantRegistry.load(tenants_file).authenticate(api_key)
+    except ApiError as e:
+        raise ValueError(
+            f"DELTASERVE_API_KEY is not a key of any enabled tenant in {tenants_file} ({e.message}; the file exists, "
+            f"so it was not created with this key). Use a key of that file (unset DELTASERVE_API_KEY), add a tenant "
+            f"with `deltaserve tenants add NAME --file {tenants_file}` and use the key it prints, or move the file "
+            f"away so that `deltaserve up` creates it with DELTASERVE_API_KEY as tenant 'dev'") from None
+
+
 def up(args: argparse.Namespace) -> int:
     from deployments.tenancy import default_dev_tenants
 
@@ -142,6 +167,8 @@ def up(args: argparse.Namespace) -> int:
                          if v is not None}
         config = config.model_copy(update={"cache": config.cache.model_copy(update=cache_updates)})
         _, new_key = default_dev_tenants(config.tenants_file, os.environ.get("DELTASERVE_API_KEY"))
+        if not new_key:
+            check_env_key(config.tenants_file, os.environ.get("DELTASERVE_API_KEY"))
     except (ValueError, FileNotFoundError) as e:
         print(f"deltaserve up: {e}", file=sys.stderr)
         return 2

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -9,7 +11,7 @@ from deployments.config import PlatformConfig
 from deployments.gateway.frontend import Frontend
 from deployments.gateway.grpc_ingress import GrpcInferenceMixin
 from deployments.gateway.http_ingress import IngressRoutes, app as http_app
-from deployments.gateway.serve_backend import ServeBackend
+from deployments.gateway.serve_backend import HopTimeouts, ServeBackend
 from deployments.observability import tracing
 from deployments.tenancy import TenantRegistry
 from deployments.workers.replica import replica_id
@@ -28,19 +30,21 @@ class Ingress(IngressRoutes, GrpcInferenceMixin):
             pools=list(config.pools),
             tokenizer=load_tokenizer(config.model),
             registry=registry,
-            backend=ServeBackend(prefill, decode),
+            backend=ServeBackend(prefill, decode, HopTimeouts.of(config)),
             max_model_len=config.max_model_len,
             failover_attempts=config.failover_attempts,
+            request_timeout_s={pool: pc.request_timeout_s for pool, pc in config.pools.items()},
         )
         self.prefill, self.decode = prefill, decode
         self.cache_admin = cache_admin  # bound here so it is part of the application
 
     async def debug_spans(self) -> dict[str, list[dict]]:
-        """Finished spans of this ingress and of one replica of each prefill/decode deployment (trace_memory)."""
+        """Finished spans of this ingress and of one replica of each prefill/decode deployment (trace_memory);
+        each replica's answer within 30 s."""
         out = {"ingress": tracing.finished_spans()}
         for pool in self.prefill:
-            out[f"prefill-{pool}"] = await self.prefill[pool].debug_spans.remote()
-            out[f"decode-{pool}"] = await self.decode[pool].debug_spans.remote()
+            out[f"prefill-{pool}"] = await asyncio.wait_for(self.prefill[pool].debug_spans.remote(), 30)
+            out[f"decode-{pool}"] = await asyncio.wait_for(self.decode[pool].debug_spans.remote(), 30)
         return out
 
     def usage(self) -> dict:

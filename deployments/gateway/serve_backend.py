@@ -1,42 +1,122 @@
 """The frontend's backend inside Serve: prefill and decode hops over deployment handles.
 
-Ray stays here: a replica that dies or cannot be reached becomes
-:class:`~deployments.gateway.errors.ReplicaFailed`, so the frontend resumes the request elsewhere.
+Ray stays here. Every hop is bounded in time (never an ``await`` without a timeout):
+
+- waiting for a replica: at most the pool's ``queue_timeout_s`` in the handle's queue (every
+  replica busy, or none live because they were killed, are restarting or cannot start), then
+  :class:`~deployments.gateway.errors.Overloaded` (503, Retry-After); a full queue is Serve's
+  ``BackPressureError`` and a deployment Serve gave up on its ``DeploymentUnavailableError``, both
+  passed through (503 in :func:`~deployments.gateway.errors.as_api_error`);
+- prefill: its reply within the pool's ``request_timeout_s`` (the frontend also holds the whole
+  request to it);
+- decode: each chunk within ``stream_idle_timeout_s`` of the last.
+
+A replica that dies, cannot be reached, reports itself broken (a ``ReplicaFailed`` raised in it)
+or goes silent mid-stream becomes :class:`~deployments.gateway.errors.ReplicaFailed`, so the
+frontend resumes the request elsewhere.
 """
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.handle import DeploymentHandle
 
-from deployments.gateway.errors import HandoffLost, ReplicaFailed
+from deployments.config import PlatformConfig
+from deployments.gateway.errors import HandoffLost, Overloaded, ReplicaFailed
 from deployments.workers.messages import DecodeChunk, DecodeRequest, PrefillRequest, PrefillResult
 
 _REPLICA_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
 
 
-class ServeBackend:
-    """Prefill and decode hops over Serve handles (decode streams). A replica that dies or
-    cannot be reached becomes :class:`ReplicaFailed`, so the frontend can resume elsewhere."""
+@dataclass(frozen=True, slots=True)
+class HopTimeouts:
+    """Time bounds of one pool's hops, seconds (from its :class:`~deployments.config.PoolConfig`)."""
 
-    def __init__(self, prefill: dict[str, DeploymentHandle], decode: dict[str, DeploymentHandle]) -> None:
-        self.prefill_handles, self.decode_handles = prefill, decode
+    queue_s: float  # waiting for a replica to take the request
+    prefill_s: float  # a prefill reply, once a replica took it (the pool's end-to-end deadline)
+    chunk_s: float  # between two decode chunks, once a replica took the stream
+
+    @classmethod
+    def of(cls, config: PlatformConfig) -> dict[str, "HopTimeouts"]:
+        return {pool: cls(pc.queue_timeout_s, pc.request_timeout_s, pc.stream_idle_timeout_s)
+                for pool, pc in config.pools.items()}
+
+
+def _replica_failure(e: BaseException) -> ReplicaFailed | HandoffLost | None:
+    """The ReplicaFailed / HandoffLost a replica raised, found in the cause chain of what the handle
+    raised (Serve wraps it in a RayTaskError), re-raised here as the plain class; None if none."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        for cls in (ReplicaFailed, HandoffLost):
+            if isinstance(e, cls) and not isinstance(e, RayTaskError):
+                return cls(str(e))
+        e = e.cause if isinstance(e, RayTaskError) and e.cause is not None else e.__cause__
+    return None
+
+
+async def _assigned(response, deployment: str, timeout_s: float) -> None:
+    """Wait until Serve assigned ``response`` to a replica; after ``timeout_s`` cancel it and raise
+    Overloaded. (``_fetch_future_result_async`` is Serve's own await of the assignment, in both
+    Serve modes.)"""
+    try:
+        await asyncio.wait_for(response._fetch_future_result_async(), timeout_s)
+    except asyncio.TimeoutError:
+        response.cancel()
+        raise Overloaded(f"no {deployment} replica took the request within {timeout_s:g} s (all busy, or none "
+                         "running); retry later", retry_after_s=timeout_s) from None
+
+
+class ServeBackend:
+    """Prefill and decode hops over Serve handles (decode streams), each bounded by ``timeouts``."""
+
+    def __init__(self, prefill: dict[str, DeploymentHandle], decode: dict[str, DeploymentHandle],
+                 timeouts: dict[str, HopTimeouts]) -> None:
+        self.prefill_handles, self.decode_handles, self.timeouts = prefill, decode, timeouts
 
     async def prefill(self, pool: str, req: PrefillRequest) -> PrefillResult:
+        t = self.timeouts[pool]
+        response = self.prefill_handles[pool].prefill.remote(req)
         try:
-            return await self.prefill_handles[pool].prefill.remote(req)
+            await _assigned(response, f"prefill-{pool}", t.queue_s)
+            return await asyncio.wait_for(response, t.prefill_s)
+        except asyncio.TimeoutError:
+            response.cancel()
+            raise ReplicaFailed(f"prefill-{pool} replica did not answer within {t.prefill_s:g} s") from None
         except _REPLICA_GONE as e:
             raise ReplicaFailed(f"prefill-{pool} replica failed: {type(e).__name__}") from e
+        except RayTaskError as e:
+            failure = _replica_failure(e)
+            if failure is None:
+                raise
+            raise failure from e
 
     async def decode(self, pool: str, req: DecodeRequest) -> AsyncIterator[DecodeChunk]:
+        t = self.timeouts[pool]
+        stream = self.decode_handles[pool].options(stream=True).generate.remote(req)
+        done = False
         try:
-            async for chunk in self.decode_handles[pool].options(stream=True).generate.remote(req):
+            await _assigned(stream, f"decode-{pool}", t.queue_s)
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(stream.__anext__(), t.chunk_s)
+                except StopAsyncIteration:
+                    done = True
+                    return
                 yield chunk
+        except asyncio.TimeoutError:
+            raise ReplicaFailed(f"decode-{pool} replica sent nothing for {t.chunk_s:g} s") from None
         except _REPLICA_GONE as e:
             raise ReplicaFailed(f"decode-{pool} replica failed: {type(e).__name__}") from e
         except RayTaskError as e:
-            if isinstance(e.cause, HandoffLost):
-                raise HandoffLost(str(e.cause)) from e
-            raise
+            failure = _replica_failure(e)
+            if failure is None:
+                raise
+            raise failure from e
+        finally:
+            if not done:
+                stream.cancel()  # timed out, failed, or the caller stopped reading: the replica frees the slot

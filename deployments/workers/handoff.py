@@ -18,6 +18,12 @@ they do where Serve sends replies between replicas over gRPC (throughput-optimiz
 :func:`serve_replies_by_grpc`): a reference pickled into a gRPC reply is serialized out of
 band, and Ray then pins its object for the owner's lifetime (a leak per request), while
 the bytes cost the ingress only a copy there.
+
+Those gRPC messages are bounded: Serve's replica servers and channels receive at most
+``RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH`` bytes (4 MiB by default), and the state grows with
+the prompt (MLA latents: 640 bytes per token for k3-tiny, 4.2 MiB at about 6,000 tokens). Every
+deployment therefore runs with the limit raised to :func:`grpc_message_limit` (``deployments/app.py``),
+the largest prefill reply or decode request the config's context allows.
 """
 
 from __future__ import annotations
@@ -25,6 +31,33 @@ from __future__ import annotations
 from typing import Any
 
 from deployments.gateway.errors import HandoffLost
+
+GRPC_LIMIT_ENV = "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"  # read by ray.serve._private.constants at import
+SERVE_DEFAULT_GRPC_LIMIT = 4 << 20  # Serve's value of it when unset (gRPC's own default)
+_TOKEN_ID_BYTES = 16  # upper bound on one token id in a pickled message (prompt_ids, replay_ids, token_ids)
+
+
+def state_bytes(model: str, tokens: int) -> int:
+    """Bytes of :meth:`SequenceState.to_bytes` after ``tokens`` tokens of ``model`` (a name, preset or
+    checkpoint directory), without loading weights: KDA state and conv tails (fixed size) plus the MLA
+    latents of every token (fp32, as the replicas load the model), the header and the checksum."""
+    from model import resolve_model
+    from model.config import ModelConfig
+    from model.presets import preset_config
+
+    kind, path = resolve_model(model)
+    config = ModelConfig.from_hf(preset_config(model)) if kind == "preset" else ModelConfig.from_file(path)
+    kda, n_kda = config.kda, len(config.kda_layers)
+    fixed = n_kda * 4 * (kda.num_heads * kda.head_dim * kda.head_dim + 3 * kda.proj_dim * (kda.conv_kernel - 1))
+    header = 512 + 64 * (2 * n_kda + len(config.mla_layers))  # magic, version, JSON fingerprint and shapes, CRC
+    return fixed + len(config.mla_layers) * config.mla_latent_dim * 4 * tokens + header
+
+
+def grpc_message_limit(model: str, max_model_len: int) -> int:
+    """The gRPC message size every deployment must accept so that a handoff at ``max_model_len``
+    tokens fits: the state's bytes, its token ids (prompt and replayed output) and Serve's default
+    4 MiB for everything else in the message (sampling, stop strings, trace context, framing)."""
+    return state_bytes(model, max_model_len) + 2 * _TOKEN_ID_BYTES * max_model_len + SERVE_DEFAULT_GRPC_LIMIT
 
 
 def serve_replies_by_grpc() -> bool:

@@ -324,7 +324,7 @@ def test_state_handoff_prefill_to_decode_and_a_lost_reference_is_handoff_lost(pl
     from ray import serve
 
     from deployments.gateway.errors import HandoffLost
-    from deployments.gateway.serve_backend import ServeBackend
+    from deployments.gateway.serve_backend import HopTimeouts, ServeBackend
     from deployments.workers.messages import DecodeRequest, PrefillRequest
     from model.runner import SamplingParams
 
@@ -356,7 +356,7 @@ def test_state_handoff_prefill_to_decode_and_a_lost_reference_is_handoff_lost(pl
     while ray.get(fetch.remote([lost])) is not None:  # the owner's death takes a moment to be known
         assert time.monotonic() < deadline, "the killed owner's object stayed reachable"
         time.sleep(0.1)
-    backend = ServeBackend({"standard": pre}, {"standard": dec})
+    backend = ServeBackend({"standard": pre}, {"standard": dec}, HopTimeouts.of(platform["config"]))
     lost_req = DecodeRequest(PrefillRequest("by-ref-2", tuple(_ids("x")), 4, SamplingParams()), 1, lost)
 
     async def drain():

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
@@ -62,9 +64,12 @@ def test_serve_env_is_throughput_optimized_with_serve_proxies_and_never_override
     from deployments.cli.up import _environ, serve_env
 
     env = serve_env(PlatformConfig())
+    grpc_host = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "deployments.gateway.grpc_proxy.bind_grpc_to_host",
+                 "DELTASERVE_GRPC_HOST": "127.0.0.1"}
     assert env == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
-                   "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
-    assert serve_env(PlatformConfig(serve_throughput_optimized=False)) == {}
+                   "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1", **grpc_host}
+    assert serve_env(PlatformConfig(serve_throughput_optimized=False)) == grpc_host
+    assert serve_env(PlatformConfig(host="10.0.0.5"))["DELTASERVE_GRPC_HOST"] == "10.0.0.5"
     monkeypatch.delenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", raising=False)
     monkeypatch.setenv("RAY_SERVE_ENABLE_DIRECT_INGRESS", "1")  # the operator's choice wins
     with _environ(env):
@@ -90,3 +95,40 @@ def test_serve_config_yaml_is_the_embedded_defaults():
     doc = yaml.safe_load((Path(__file__).parents[2] / "deployments" / "serve_config.yaml").read_text())
     args = PlatformConfig.load(doc["applications"][0]["args"])
     assert args.pools == PlatformConfig().pools
+
+
+def test_deployment_options_cap_each_replica_at_what_its_engine_holds_and_bound_the_queue():
+    """Serve sends a prefill replica at most its slots and a decode replica at most the pool's
+    max_num_seqs; the rest wait in a bounded queue (BackPressureError beyond it: 503); health
+    checks every 2 s; every replica takes a gRPC message as large as a full-context handoff."""
+    from deployments.app import build_app
+    from deployments.workers.handoff import GRPC_LIMIT_ENV, grpc_message_limit
+
+    config = PlatformConfig(tenants_file=str(Path(__file__)))  # any existing file: no tenants file is created
+    app = build_app(config)
+    deployments = {}
+    stack = [app._bound_deployment]
+    while stack:
+        d = stack.pop()
+        deployments[d.name] = d
+        for arg in list(d.init_args) + list(d.init_kwargs.values()):
+            for value in (arg.values() if isinstance(arg, dict) else [arg]):
+                if hasattr(value, "_bound_deployment"):
+                    stack.append(value._bound_deployment)
+    assert sorted(deployments) == ["cache-admin", "decode-highspeed", "decode-standard", "ingress",
+                                   "prefill-highspeed", "prefill-standard"]
+    got = {name: (d.max_ongoing_requests, d.max_queued_requests) for name, d in deployments.items()}
+    assert got == {"prefill-standard": (32, 64), "decode-standard": (32, 64), "prefill-highspeed": (32, 16),
+                   "decode-highspeed": (4, 16), "ingress": (1024, 1024), "cache-admin": (16, -1)}
+    limit = grpc_message_limit("k3-tiny", 8192)
+    for d in deployments.values():
+        assert d._deployment_config.health_check_period_s == 2.0 and d._deployment_config.health_check_timeout_s == 10.0
+        assert d.ray_actor_options["runtime_env"]["env_vars"] == {GRPC_LIMIT_ENV: str(limit)}
+
+
+def test_pool_timeouts_have_tier_defaults():
+    pools = PlatformConfig().pools
+    assert (pools["standard"].request_timeout_s, pools["highspeed"].request_timeout_s) == (600.0, 300.0)
+    assert pools["standard"].queue_timeout_s == 10.0 and pools["standard"].stream_idle_timeout_s == 60.0
+    with pytest.raises(ValidationError, match="max_queued_requests"):
+        PlatformConfig(pools={"standard": {"max_queued_requests": 0}})

@@ -63,6 +63,7 @@ class RedisStore:
         self.errors = 0  # Redis/socket errors seen (each also a breaker failure)
         self._outage_errors = 0  # errors since the last success (the first of them is logged)
         self._errors_lock = threading.Lock()
+        self._scripts: dict[str, object] = {}  # Lua source -> redis-py Script (knows its SHA, reloads on NOSCRIPT)
         self._client = redis.Redis.from_url(
             url,
             socket_timeout=timeout_s,
@@ -264,6 +265,16 @@ class RedisStore:
 
     def ping(self) -> bool:
         return self._call("PING", lambda r: bool(r.ping()), False)
+
+    # -- scripts -------------------------------------------------------------
+    def run_script(self, what: str, source: str, keys: list[str], args: list) -> object | None:
+        """Run the Lua ``source`` atomically (EVALSHA, loaded on first use) with ``keys`` and ``args``;
+        its reply, or None if Redis is unavailable (a script error counts as unavailable too)."""
+        with self._errors_lock:
+            script = self._scripts.get(source)
+            if script is None:
+                script = self._scripts[source] = self._client.register_script(source)
+        return self._call(what, lambda r: script(keys=keys, args=args, client=r), None)
 
 
 def _check_ttl(ttl_s: int) -> None:

@@ -13,8 +13,8 @@ from deployments.gateway.grpc_ingress import GrpcInferenceMixin
 from deployments.gateway.http_ingress import IngressRoutes, app as http_app
 from deployments.gateway.serve_backend import HopTimeouts, ServeBackend
 from deployments.observability import tracing
-from deployments.tenancy import TenantRegistry
-from deployments.workers.replica import replica_id
+from deployments.tenancy import TenantRegistry, make_rate_limiter
+from deployments.workers.replica import redis_url, replica_id
 
 
 class Ingress(IngressRoutes, GrpcInferenceMixin):
@@ -34,6 +34,7 @@ class Ingress(IngressRoutes, GrpcInferenceMixin):
             max_model_len=config.max_model_len,
             failover_attempts=config.failover_attempts,
             request_timeout_s={pool: pc.request_timeout_s for pool, pc in config.pools.items()},
+            limiter=make_rate_limiter(redis_url(config), replicas=1),  # app.py runs one ingress replica
         )
         self.prefill, self.decode = prefill, decode
         self.cache_admin = cache_admin  # bound here so it is part of the application

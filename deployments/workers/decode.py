@@ -8,6 +8,10 @@ cache service) and the first sampled token; the engine only decodes. A stream's 
 blocks as it goes and KDA checkpoints every ``checkpoint_every`` blocks and at the end of
 the turn (written in the background): the next turn, on any replica, or a failover resumes
 from them.
+
+A failed engine step, or a broken engine, raises
+:class:`~deployments.gateway.errors.ReplicaFailed` (the frontend resumes the stream elsewhere).
+A cancelled or closed stream (client disconnect) aborts its sequence and frees its slot.
 """
 
 from __future__ import annotations
@@ -16,13 +20,13 @@ import asyncio
 import contextlib
 from typing import AsyncIterator
 
-from deployments.engine import GenerationRequest
+from deployments.engine import EngineBroken, EngineStepError, GenerationRequest
 from model.state import SequenceState
 
 from deployments.workers import handoff
 
 from deployments.observability import tracing
-from deployments.gateway.errors import HandoffLost
+from deployments.gateway.errors import HandoffLost, ReplicaFailed
 from deployments.config import PlatformConfig
 from deployments.workers.engine_replica import EngineReplica
 from deployments.workers.messages import DecodeChunk, DecodeRequest
@@ -61,12 +65,16 @@ class Decode(EngineReplica):
                                               replay_ids=p.replay_ids, checkpoint_plan=self.plan if recorder else None)
             with self.expert_pool_span(span):
                 async with contextlib.aclosing(outs):
-                    async for out in outs:
-                        n = out.num_output_tokens
-                        if recorder is not None:
-                            recorder.add(out.checkpoints)
-                        yield DecodeChunk(out.new_text, tuple(out.new_token_ids), out.finished,
-                                          out.finish_reason.value if out.finish_reason else None, n, self.replica)
+                    try:
+                        async for out in outs:
+                            n = out.num_output_tokens
+                            if recorder is not None:
+                                recorder.add(out.checkpoints)
+                            yield DecodeChunk(out.new_text, tuple(out.new_token_ids), out.finished,
+                                              out.finish_reason.value if out.finish_reason else None, n, self.replica,
+                                              out.new_logprobs)
+                    except (EngineStepError, EngineBroken) as e:
+                        raise ReplicaFailed(f"decode replica {self.replica} failed request {p.request_id}: {e}") from e
         finally:
             span.set_attribute("deltaserve.completion_tokens", n)
             span.end()

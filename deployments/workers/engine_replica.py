@@ -42,6 +42,11 @@ class EngineReplica:
         self.cache = make_cache(config, model.config)
         self.plan = CheckpointPlan(config.cache.block_size, config.cache.checkpoint_every)
 
+    def check_health(self) -> None:
+        """Serve calls this every health-check period: raising (EngineBroken, once the engine is
+        broken) marks the replica unhealthy, and Serve stops routing to it and replaces it."""
+        self.async_engine.check_health()
+
     def stats(self) -> dict:
         # running / waiting / free_slots: what a client that hung up must give back (tests/deployments/test_disconnect.py)
         sched = self.engine.scheduler

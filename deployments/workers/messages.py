@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from deployments.engine import TokenLogprob
 from model.runner import SamplingParams
 
 
@@ -42,6 +43,7 @@ class PrefillResult:
     cached_tokens: int
     replica: str
     prefill_s: float  # seconds spent in the prefill replica
+    first_logprob: TokenLogprob | None = None  # first_token's logprob when the request asks for logprobs (else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,3 +65,4 @@ class DecodeChunk:
     finish_reason: str | None
     num_output_tokens: int
     replica: str
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token_ids entry when the request asks for logprobs, else ()

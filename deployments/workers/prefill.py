@@ -12,7 +12,10 @@ where Serve replies over gRPC (throughput-optimized Serve): there the bytes go i
 
 A request may carry ``replay_ids``: the output a failed decode replica already delivered.
 They are computed like prompt tokens (mostly loaded from that replica's checkpoints) and the
-next token is sampled after them.
+next token is sampled after them (penalties count them as output).
+
+A failed engine step, or a broken engine, raises
+:class:`~deployments.gateway.errors.ReplicaFailed`: the frontend fails the request over.
 """
 
 from __future__ import annotations
@@ -22,12 +25,13 @@ import contextlib
 import time
 from dataclasses import replace
 
-from deployments.engine import GenerationRequest
+from deployments.engine import EngineBroken, EngineStepError, GenerationRequest
 
 from deployments.workers import handoff
 
 from deployments.observability import tracing
 from deployments.config import PlatformConfig
+from deployments.gateway.errors import ReplicaFailed
 from deployments.workers.engine_replica import EngineReplica
 from deployments.workers.messages import PrefillRequest, PrefillResult
 from deployments.workers.replica import cache_key
@@ -56,18 +60,22 @@ class Prefill(EngineReplica):
                 span.set_attribute("deltaserve.session_hit", bool(hit and hit.session_hit))
             greq = GenerationRequest(req.request_id, list(req.prompt_ids), len(req.replay_ids) + 1, req.sampling, req.stop,
                                      req.stop_token_ids, req.ignore_eos)
-            text, last = "", None
+            text, last, logprobs = "", None, ()
             continues = len(req.replay_ids) + 1 < req.max_tokens  # decode takes over after the first token
             outs = self.async_engine.generate(greq, keep_state_on_finish=True, continues=continues, replay_ids=req.replay_ids,
                                               cached_prefix=hit.state if hit else None,
                                               checkpoint_plan=replace(self.plan, extra=req.checkpoint_at) if recorder else None)
             with self.expert_pool_span(span):
                 async with contextlib.aclosing(outs) as outs:
-                    async for out in outs:
-                        text += out.new_text
-                        last = out
-                        if recorder is not None:
-                            recorder.add(out.checkpoints)
+                    try:
+                        async for out in outs:
+                            text += out.new_text
+                            logprobs += out.new_logprobs
+                            last = out
+                            if recorder is not None:
+                                recorder.add(out.checkpoints)
+                    except (EngineStepError, EngineBroken) as e:
+                        raise ReplicaFailed(f"prefill replica {self.replica} failed request {req.request_id}: {e}") from e
             if last is None or not last.finished:
                 raise RuntimeError(f"prefill of {req.request_id} ended without finishing (a bug)")
             stopped = last.finish_reason is not None and last.finish_reason.value == "stop"
@@ -97,4 +105,5 @@ class Prefill(EngineReplica):
                 cached_tokens=cached,
                 replica=self.replica,
                 prefill_s=time.perf_counter() - t0,
+                first_logprob=logprobs[-1] if logprobs and first != -1 else None,
             )

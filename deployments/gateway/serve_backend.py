@@ -87,6 +87,9 @@ class ServeBackend:
         except asyncio.TimeoutError:
             response.cancel()
             raise ReplicaFailed(f"prefill-{pool} replica did not answer within {t.prefill_s:g} s") from None
+        except asyncio.CancelledError:  # the caller's deadline, or its client went away: free the replica's slot
+            response.cancel()
+            raise
         except _REPLICA_GONE as e:
             raise ReplicaFailed(f"prefill-{pool} replica failed: {type(e).__name__}") from e
         except RayTaskError as e:

@@ -1,0 +1,70 @@
+"""Security defaults of `deltaserve up`: gRPC listens on 127.0.0.1 only, the generated API key never
+reaches Ray's logs, and a DELTASERVE_API_KEY that no tenant of an existing tenants file has is
+refused at start."""
+
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+
+from deployments.tenancy import TenantRegistry
+from tests.deployments.up_process import deltaserve_up, run_up
+
+
+def _listeners(port: int) -> list[str]:
+    """Local addresses of every listening TCP socket on ``port`` (IPv4 and IPv6), as hex from /proc/net."""
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                out.append(address)
+    return out
+
+
+def test_build_app_never_prints_a_key_and_refuses_without_one(tmp_path, monkeypatch, capsys):
+    """build_app runs in Serve's controller, whose output lands in Ray's log files."""
+    from deployments.app import build_app
+    from deployments.config import PlatformConfig
+
+    missing = tmp_path / "tenants.yaml"
+    monkeypatch.delenv("DELTASERVE_API_KEY", raising=False)
+    with pytest.raises(ValueError, match=re.escape(f"tenants file {missing} does not exist")):
+        build_app(PlatformConfig(tenants_file=str(missing)))
+    assert not missing.exists()
+    key = "ds-build-app-key-0123456789abcdef"
+    monkeypatch.setenv("DELTASERVE_API_KEY", key)
+    build_app(PlatformConfig(tenants_file=str(missing)))
+    assert TenantRegistry.load(missing).authenticate(key).name == "dev"
+    captured = capsys.readouterr()
+    assert key not in captured.out + captured.err
+
+
+def test_an_env_key_no_tenant_has_is_refused_at_start(tmp_path):
+    path = tmp_path / "tenants.yaml"
+    reg = TenantRegistry()
+    reg.add("alice", pools=["standard"])
+    reg.save(path)
+    key = "ds-not-in-the-file-0123456789abcdef"
+    done = run_up(["--tenants", str(path), "--no-cache"], env={"DELTASERVE_API_KEY": key})
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"DELTASERVE_API_KEY is not a key of any enabled tenant in {path}" in done.stderr
+    assert f"deltaserve tenants add NAME --file {path}" in done.stderr
+    assert key not in done.stdout + done.stderr and "ready" not in done.stdout
+
+
+def test_grpc_listens_on_localhost_only_and_the_generated_key_is_not_in_rays_logs(tmp_path):
+    with deltaserve_up(["--tenants", str(tmp_path / "tenants.yaml"), "--no-cache"]) as up:
+        [line] = [ln for ln in up.output if "API key (shown once): " in ln]
+        key = line.rsplit(": ", 1)[1].strip()
+        r = httpx.get(f"http://127.0.0.1:{up.http_port}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert _listeners(up.grpc_port) == ["0100007F"]  # 127.0.0.1, and no [::] or 0.0.0.0 socket
+        assert _listeners(up.http_port) == ["0100007F"]
+        session = up.ray_session_dir()
+        files = [p for p in session.rglob("*") if p.is_file() and not p.is_symlink()]
+        assert any(p.suffix in (".log", ".err", ".out") for p in files)
+        leaked = [str(p) for p in files if key.encode() in p.read_bytes()]
+        assert leaked == []

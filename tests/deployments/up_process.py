@@ -1,0 +1,110 @@
+"""`deltaserve up` as a subprocess on free ports, for the end-to-end tests of the platform's defaults.
+
+:func:`deltaserve_up` starts it with its own Ray auth token, waits for the curl line that follows
+the ready line, yields a :class:`UpProcess`, and stops it with Ctrl-C (SIGINT) afterwards, as
+`make serve` is stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cache_service import find_free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class UpProcess:
+    proc: subprocess.Popen
+    http_port: int
+    grpc_port: int
+    output: list[str] = field(default_factory=list)  # every line it printed so far (stdout and stderr)
+
+    def descendants(self) -> list[int]:
+        """Pids of every process under it (Ray's GCS, raylet, workers, Serve's proxies and replicas)."""
+        children: dict[int, list[int]] = {}
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    stat = Path(f"/proc/{d}/stat").read_text()
+                except OSError:
+                    continue
+                children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(d))
+        out, stack = [], [self.proc.pid]
+        while stack:
+            for c in children.get(stack.pop(), []):
+                out.append(c)
+                stack.append(c)
+        return out
+
+    def ray_session_dir(self) -> Path:
+        """The session directory of the Ray cluster this process started (from its raylet's command line)."""
+        for pid in self.descendants():
+            try:
+                args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            for arg in args:
+                if arg.startswith("--session_dir="):
+                    return Path(arg.split("=", 1)[1])
+        raise AssertionError("no raylet with --session_dir under deltaserve up")
+
+
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("RAY_SERVE_") and k not in ("RAY_AUTH_TOKEN_PATH", "DELTASERVE_API_KEY")}
+    env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
+                "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)})
+    env.update(extra)
+    return env
+
+
+def run_up(args: list[str], env: dict[str, str] | None = None, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    """`deltaserve up ARGS` to its end (for starts that must fail before Ray starts)."""
+    return subprocess.run([sys.executable, "-m", "deployments.cli.main", "up", *args], cwd=ROOT, env=_env(env or {}),
+                          capture_output=True, text=True, timeout=timeout_s)
+
+
+@contextlib.contextmanager
+def deltaserve_up(args: list[str], env: dict[str, str] | None = None, ready_s: float = 300) -> Iterator[UpProcess]:
+    """A running `deltaserve up ARGS` on free HTTP and gRPC ports, stopped with Ctrl-C on exit (which
+    must then exit 0)."""
+    http_port, grpc_port = find_free_port(), find_free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deployments.cli.main", "up", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+         *args], cwd=ROOT, env=_env(env or {}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()
+    up = UpProcess(proc, http_port, grpc_port)
+    try:
+        deadline = time.monotonic() + ready_s
+        while not any(ln.lstrip().startswith("curl ") for ln in up.output):
+            assert proc.poll() is None, "deltaserve up exited early:\n" + "".join(up.output)
+            assert time.monotonic() < deadline, f"no ready line after {ready_s:.0f} s:\n" + "".join(up.output)
+            try:
+                up.output.append(lines.get(timeout=1))
+            except queue.Empty:
+                pass
+        yield up
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            rc = proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+        while not lines.empty():
+            up.output.append(lines.get())
+    assert rc == 0, "".join(up.output)

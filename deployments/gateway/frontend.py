@@ -39,7 +39,7 @@ from deployments.gateway.protocol import (DEFAULT_REQUEST_TIMEOUT_S, HIGHSPEED_S
                                           Finished, ModelCard, RequestLimits, TextDelta, TokenAlternative, TokenLogprobs,
                                           Usage)
 from deployments.gateway.errors import (BadRequest, BadRequestError, DeadlineExceeded, HandoffLost, ModelNotFound,
-                                        ReplicaFailed, Unavailable)
+                                        ReplicaFailed, Unavailable, log)
 from deployments.workers.messages import DecodeChunk, DecodeRequest, PrefillRequest, PrefillResult
 from deployments.workers.replica import stop_token_ids
 from deployments.tenancy import RateLimiter, Tenant, TenantRegistry, UsageCounter, check_pool
@@ -366,6 +366,7 @@ class Frontend:
                 failures += 1
                 span.add_event("failover", {"deltaserve.error": str(e)[:200], "deltaserve.delivered_tokens": len(emitted),
                                             "deltaserve.choice": index})
+                log.warning("request %s choice %d: failover %d after %d tokens: %s", rid, index, failures, len(emitted), e)
                 if failures > self.failover_attempts:
                     raise Unavailable(f"request {rid} failed on {failures} replicas; retry later") from e
                 self.failovers += 1

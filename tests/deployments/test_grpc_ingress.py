@@ -73,9 +73,9 @@ class FakeFrontend:
         self._check(api_key)
         return [ModelCard("tiny-k3", "standard"), ModelCard("tiny-k3-highspeed", "highspeed")]
 
-    async def complete(self, api_key: str | None, inp: CompletionInput):
+    async def complete(self, api_key: str | None, inp: CompletionInput, request_id: str | None = None):
         self._check(api_key, inp.model)
-        if inp.max_tokens < 1:
+        if inp.max_tokens is not None and inp.max_tokens < 1:
             raise BadRequest("max_tokens must be at least 1", param="max_tokens")
         echo = {
             "model": inp.model,
@@ -173,6 +173,16 @@ def test_messages_session_and_conflicts():
         completion_input_from_request(pb.GenerateRequest(model="m", prompt="p", temperature=float("nan")))
 
 
+def test_parity_fields():
+    req = pb.GenerateRequest(model="m", prompt="p", presence_penalty=0.5, frequency_penalty=-1.25, logprobs=3,
+                             user="end-user", allow_special_tokens=True)
+    inp = completion_input_from_request(req)
+    assert (inp.presence_penalty, inp.frequency_penalty, inp.logprobs, inp.user, inp.allow_special_tokens) == (
+        0.5, -1.25, 3, "end-user", True)
+    inp = completion_input_from_request(pb.GenerateRequest(model="m", prompt="p"))
+    assert (inp.max_tokens, inp.logprobs, inp.user, inp.allow_special_tokens) == (None, None, None, False)
+
+
 class _Ingress(GrpcInferenceMixin):
     def __init__(self):
         self.frontend = FakeFrontend()
@@ -198,7 +208,8 @@ def test_mixin_in_process():
     ctx = _Ctx([("authorization", GOOD_KEY)])
     resp = _run(ing.Generate(pb.GenerateRequest(model="boom", prompt="x"), ctx))
     assert resp == pb.GenerateResponse() and ctx.code_ is grpc.StatusCode.INTERNAL
-    assert "kaboom" not in ctx.details_ and "serve-rid" in ctx.details_
+    rid = dict(ctx.trailers)["x-deltaserve-request-id"]  # made when the call arrived; the log line names it too
+    assert "kaboom" not in ctx.details_ and rid.startswith("cmpl-") and rid in ctx.details_
 
     # Stream errors before the first event: one empty carrier message (default) or a raise.
     ctx = _Ctx([("authorization", GOOD_KEY)])
@@ -388,7 +399,7 @@ def test_generate_chat_bare_key_and_sampling(stub):
     resp = stub.Generate(req, metadata=(("authorization", GOOD_KEY), ("x-session-id", "ignored")), timeout=30)
     echo = _echo(resp.text)
     assert echo["prompt"] is None and echo["messages"] == [["system", "be brief"], ["user", "hi"]]
-    assert echo["temperature"] == 0.0 and echo["top_p"] == 0.9 and echo["max_tokens"] == 16
+    assert echo["temperature"] == 0.0 and echo["top_p"] == 0.9 and echo["max_tokens"] is None  # the rest of the context
     assert echo["session_id"] == "conv-1" and echo["ignore_eos"] is True
     assert resp.pool == "highspeed"
 

@@ -55,6 +55,7 @@ class Served:
     small_key: str  # tenant "bob": standard only, max_context 64, 2,000 tokens/min
     tight_key: str  # tenant "carol": standard only, 200 tokens/min
     frontend: Frontend
+    faulty: Frontend  # the same over FaultyBackend (served under FAULTY)
     backend: LocalBackend
     loop: asyncio.AbstractEventLoop  # the server's loop (every engine call runs on it)
 
@@ -63,6 +64,10 @@ class Served:
 
     def http(self, key: str | None = None) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key or self.key}"}, timeout=60)
+
+    def run(self, coro):
+        """Run ``coro`` on the server's loop (where the engines run) and wait for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=60)
 
     def decode_stats(self, pool: str = "standard") -> dict:
         return self.backend.decode_replicas[pool].stats()
@@ -103,6 +108,6 @@ def served(tmp_path_factory) -> Served:
     while not server.started:
         assert time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.05)
-    yield Served(f"http://127.0.0.1:{port}", alice, bob, carol, frontend, backend, loops[0])
+    yield Served(f"http://127.0.0.1:{port}", alice, bob, carol, frontend, faulty, backend, loops[0])
     server.should_exit = True
     thread.join(timeout=10)

@@ -186,3 +186,12 @@ def test_the_pool_deadline_ends_a_request_and_frees_its_slot(served, short_deadl
     assert any("choices" in e and e["choices"][0]["text"] for e in events[:-2])
     stats = _wait_free(served, "highspeed")
     assert stats["running"] == 0 and stats["free_slots"] == free
+
+
+def test_openapi_names_the_unsupported_parameters(served):
+    with served.http() as h:
+        doc = h.get("/openapi.json").json()
+    props = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert "not supported" in props["tools"]["description"] and "max_completion_tokens" in props
+    assert "allow_special_tokens" in doc["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert "/v1/models/{model}" in doc["paths"]

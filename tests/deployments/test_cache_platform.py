@@ -25,7 +25,7 @@ from cache_service.store import RedisStore
 from deployments.config import PlatformConfig
 from deployments.tenancy import TenantRegistry
 from model import load_model, load_tokenizer
-from model.tokenizer import apply_chat_template
+from model.tokenizer import encode_chat
 from tests.conftest import local_ray_env
 
 MODEL = "k3-tiny"  # the trained model: it writes ASCII, so its output text re-encodes to its tokens
@@ -86,7 +86,7 @@ def assert_greedy(ref_model, messages, text: str, max_tokens: int, label: str) -
     model, tok = ref_model
     from model.runner import ModelRunner, generate
 
-    prompt = tok.encode(apply_chat_template([(m["role"], m["content"]) for m in messages]))
+    prompt = encode_chat(tok, [(m["role"], m["content"]) for m in messages])
     want = generate(ModelRunner(model, 1), prompt, max_tokens, stop_ids=(tok.eos_token_id, tok.special_ids["<|im_end|>"]))
     got = tok.encode(text)
     if got == want:
@@ -142,8 +142,8 @@ def test_session_resumes_on_another_replica_and_prefills_less_than_a_block_extra
     msgs2 = msgs + [{"role": "assistant", "content": text1}, {"role": "user", "content": "Now add a test."}]
     text2, u2, h2 = chat(platform, "b", msgs2, session="chat-1", max_tokens=24)
     assert h2["x-deltaserve-replica"] != h1["x-deltaserve-replica"]
-    prompt2 = tok.encode(apply_chat_template([(m["role"], m["content"]) for m in msgs2]))
-    assert prompt2[:history] == tok.encode(apply_chat_template([(m["role"], m["content"]) for m in msgs]))[:u1.prompt_tokens] + tok.encode(text1)[: history - u1.prompt_tokens]
+    prompt2 = encode_chat(tok, [(m["role"], m["content"]) for m in msgs2])
+    assert prompt2[:history] == encode_chat(tok, [(m["role"], m["content"]) for m in msgs])[:u1.prompt_tokens] + tok.encode(text1)[: history - u1.prompt_tokens]
     cached = u2.prompt_tokens_details.cached_tokens
     new_tokens = u2.prompt_tokens - history
     computed = u2.prompt_tokens - cached
@@ -340,5 +340,5 @@ def test_shared_system_prompt_is_cached_for_a_new_session(platform):
     assert u1.prompt_tokens_details.cached_tokens == 0
     wait_for(lambda: platform["store"].hgetall(session_key_of("alice", "sys-1")), what="the first session's checkpoints")
     _, u2, _ = chat(platform, "b", other, session="sys-2")  # another session, another replica
-    system_tokens = len(load_tokenizer(MODEL).encode(apply_chat_template([("system", system["content"])], add_generation_prompt=False)))
+    system_tokens = len(encode_chat(load_tokenizer(MODEL), [("system", system["content"])], add_generation_prompt=False))
     assert u2.prompt_tokens_details.cached_tokens == system_tokens // BLOCK * BLOCK > 0

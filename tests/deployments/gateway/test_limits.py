@@ -124,3 +124,12 @@ def test_n_times_max_tokens_counts_against_tokens_per_minute(served):
     assert _post(served, _cmpl(prompt="hello", max_tokens=50, ignore_eos=True), key=served.tight_key).status_code == 200
     err = _error(_post(served, _cmpl(prompt="hello", max_tokens=50, n=4), key=served.tight_key), 400)
     assert err["param"] == "max_tokens" and "reserves 205 tokens" in err["message"] and "200 tokens per minute" in err["message"]
+
+
+@pytest.mark.parametrize("seed,n", [(-(2**63), 1), (2**63 - 1, 1), (2**63 - 3, 3), (0, 1)])
+def test_seeds_at_the_ends_of_the_range_are_served(served, seed, n):
+    r = _post(served, _cmpl(seed=seed, n=n, temperature=1.0))
+    assert r.status_code == 200, r.text
+    assert [c["index"] for c in r.json()["choices"]] == list(range(n))
+    err = _error(_post(served, _cmpl(seed=2**63 - 2, n=3)), 400)
+    assert err["param"] == "seed" and str(2**63 - 3) in err["message"]

@@ -4,6 +4,7 @@ created, max_model_len."""
 
 from __future__ import annotations
 
+import json
 import math
 import time
 
@@ -134,3 +135,23 @@ def test_streaming_completion_parses(served):
     assert chunks[-1].usage.completion_tokens == 4 and chunks[-1].choices == []
     assert [ch.choices[0].finish_reason for ch in chunks[:-1]][-1] == "length"
     assert len({ch.id for ch in chunks}) == 1
+
+
+def test_a_client_that_hangs_up_on_n_streams_frees_every_slot(served):
+    body = {"model": f"{MODEL}-highspeed", "prompt": "def slow():", "max_tokens": 400, "n": 3, "ignore_eos": True,
+            "stream": True}
+    free = served.decode_stats("highspeed")["free_slots"]
+    chunks = [0, 0, 0]
+    with served.http() as h, h.stream("POST", "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    chunks[c["index"]] += 1
+            if min(chunks) >= 3:  # every choice is decoding
+                break
+        assert served.decode_stats("highspeed")["running"] == 3
+    deadline = time.monotonic() + 5
+    while served.decode_stats("highspeed")["running"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    stats = served.decode_stats("highspeed")
+    assert stats["running"] == 0 and stats["free_slots"] == free

@@ -81,7 +81,7 @@ def served(tmp_path_factory) -> Served:
     _, bob = reg.add("bob", pools=["standard"], rpm=100_000, tpm=2_000, max_context=64)
     _, carol = reg.add("carol", pools=["standard"], rpm=100_000, tpm=200, max_context=512)
     reg.save(tmp / "tenants.yaml")
-    config = PlatformConfig(model=MODEL, tenants_file=str(tmp / "tenants.yaml"), num_slots=8,
+    config = PlatformConfig(model=MODEL, tenants_file=str(tmp / "tenants.yaml"), num_slots=8, trace_memory=True,
                             cache={"enabled": False})
     pools = ["standard", "highspeed"]
     backend = LocalBackend({p: Prefill(config, p) for p in pools}, {p: Decode(config, p) for p in pools})

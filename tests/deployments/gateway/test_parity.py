@@ -11,6 +11,7 @@ import time
 import openai
 import pytest
 
+from deployments.observability import tracing
 from model import load_tokenizer
 
 from tests.deployments.gateway.conftest import CONTEXT, MODEL
@@ -123,10 +124,12 @@ def test_penalties_reach_sampling(served):
     assert c.completions.create(frequency_penalty=2.0, **kw).choices[0].text != plain
 
 
-def test_user_is_accepted(served):
+def test_user_is_recorded_on_the_ingress_span(served):
     out = served.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                   max_tokens=2, user="end-user-42")
-    assert out.usage.completion_tokens >= 1
+    span = next(s for s in tracing.finished_spans()
+                if s["name"] == "ingress" and s["attributes"]["deltaserve.request_id"] == out.id)
+    assert span["attributes"]["deltaserve.user"] == "end-user-42"
 
 
 def test_streaming_completion_parses(served):

@@ -2,6 +2,7 @@
 reaches Ray's logs, and a DELTASERVE_API_KEY that no tenant of an existing tenants file has is
 refused at start."""
 
+import ipaddress
 import re
 from pathlib import Path
 
@@ -13,14 +14,19 @@ from tests.deployments.up_process import deltaserve_up, run_up
 
 
 def _listeners(port: int) -> list[str]:
-    """Local addresses of every listening TCP socket on ``port`` (IPv4 and IPv6), as hex from /proc/net."""
+    """Local addresses of every listening TCP socket on ``port``, IPv4 and IPv6 (an IPv4-mapped IPv6
+    address as its IPv4 address), from /proc/net/tcp{,6}: hex, 32-bit words in host (little-endian) order."""
     out = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
             local, state = line.split()[1], line.split()[3]
-            address, hex_port = local.split(":")
-            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
-                out.append(address)
+            hex_address, hex_port = local.split(":")
+            if state != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
+                continue
+            raw = b"".join(bytes.fromhex(hex_address[i:i + 8])[::-1] for i in range(0, len(hex_address), 8))
+            address = ipaddress.ip_address(raw)
+            mapped = getattr(address, "ipv4_mapped", None)
+            out.append(str(mapped or address))
     return out
 
 
@@ -61,8 +67,8 @@ def test_grpc_listens_on_localhost_only_and_the_generated_key_is_not_in_rays_log
         key = line.rsplit(": ", 1)[1].strip()
         r = httpx.get(f"http://127.0.0.1:{up.http_port}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=60)
         assert r.status_code == 200, r.text
-        assert _listeners(up.grpc_port) == ["0100007F"]  # 127.0.0.1, and no [::] or 0.0.0.0 socket
-        assert _listeners(up.http_port) == ["0100007F"]
+        assert _listeners(up.grpc_port) == ["127.0.0.1"]  # and no socket on [::] or 0.0.0.0
+        assert _listeners(up.http_port) == ["127.0.0.1"]
         session = up.ray_session_dir()
         files = [p for p in session.rglob("*") if p.is_file() and not p.is_symlink()]
         assert any(p.suffix in (".log", ".err", ".out") for p in files)

@@ -166,3 +166,26 @@ def start_platform(workdir: Path, *extra_args: str, timeout_s: float = 600) -> I
             proc.wait(timeout=30)
         while not lines.empty():
             platform.output.append(lines.get())
+
+
+class SharedPlatform:
+    """One `deltaserve up` for consecutive tests that ask for it (the ``shared_platform`` fixture in
+    tests/deployments/conftest.py): started by the first, stopped as soon as the next test does
+    not need it, so it neither costs a start per module nor shares the CPU with other tests."""
+
+    def __init__(self, workdir_factory) -> None:
+        self._workdir_factory = workdir_factory  # () -> a fresh directory for its tenants file
+        self._stack: contextlib.ExitStack | None = None
+        self.platform: Platform | None = None
+
+    def get(self) -> Platform:
+        if self.platform is None or self.platform.proc.poll() is not None:
+            self.stop()
+            self._stack = contextlib.ExitStack()
+            self.platform = self._stack.enter_context(start_platform(self._workdir_factory()))
+        return self.platform
+
+    def stop(self) -> None:
+        if self._stack is not None:
+            self._stack.close()
+        self._stack, self.platform = None, None

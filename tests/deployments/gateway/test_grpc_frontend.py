@@ -101,3 +101,10 @@ def test_the_pool_deadline(served):
     finally:
         served.frontend.request_timeout_s["highspeed"] = old
     assert ctx.code is grpc.StatusCode.DEADLINE_EXCEEDED and "deadline of 0.3 s" in ctx.details
+
+
+def test_list_models_cards(served):
+    ctx = _Ctx(served.key)
+    resp = served.run(_Ingress(served.frontend).ListModels(pb.ListModelsRequest(), ctx))
+    assert [(m.id, m.pool, m.created, m.max_model_len) for m in resp.models] == [
+        (MODEL, "standard", served.frontend.created, 512), (f"{MODEL}-highspeed", "highspeed", served.frontend.created, 512)]

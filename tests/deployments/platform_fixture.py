@@ -128,10 +128,11 @@ def write_tenants(path: Path) -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def start_platform(workdir: Path, *extra_args: str, timeout_s: float = 600) -> Iterator[Platform]:
-    """`deltaserve up` on free ports (``extra_args`` appended, e.g. ``--replicas decode-standard=2``),
-    yielded once its ready line and curl example are out; stopped with SIGINT, killed if it
-    has not exited 120 s later."""
+def start_platform(workdir: Path, *extra_args: str, cache: bool = False, timeout_s: float = 600) -> Iterator[Platform]:
+    """`deltaserve up` on free ports (``extra_args`` appended, e.g. ``--replicas decode-standard=2``;
+    ``cache``: with the prefix/KDA-state cache and the local redis-server it starts, else
+    ``--no-cache``), yielded once its ready line and curl example are out; stopped with SIGINT,
+    killed if it has not exited 120 s later."""
     workdir.mkdir(parents=True, exist_ok=True)
     key, standard_only = write_tenants(workdir / "tenants.yaml")
     http_port, grpc_port = find_free_port(), find_free_port()
@@ -142,7 +143,8 @@ def start_platform(workdir: Path, *extra_args: str, timeout_s: float = 600) -> I
                 "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)})
     proc = subprocess.Popen(
         [sys.executable, "-m", "deployments.cli.main", "up", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-         "--tenants", str(workdir / "tenants.yaml"), "--no-cache", "--expert-transport", "direct", *extra_args],
+         "--tenants", str(workdir / "tenants.yaml"), *(() if cache else ("--no-cache",)), "--expert-transport", "direct",
+         *extra_args],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()

@@ -13,6 +13,13 @@ Wire format (little-endian, no pickle; every header field is checked before any 
 
 A malformed frame (bad magic, version, type, dtype, layer or size) gets an ERROR reply naming the
 field, then the server closes the connection: the stream cannot be trusted to be in sync.
+
+Before the token is checked a connection costs the server as little as possible: at most
+``max_connections`` connections are open and at most ``max_unauthenticated`` of them have not yet
+passed the HELLO; one over either bound is closed as soon as it is accepted, before a thread or a
+byte is spent on it. A connection must complete its TLS handshake and HELLO (a fixed 28 + 32
+bytes) within ``hello_timeout_s`` in all, or it is closed: a peer trickling bytes cannot hold a
+slot for longer.
 An error raised by the handler on a well-formed frame keeps the connection open.
 
 With :func:`ssl_context` (``PlatformConfig.expert_transport_tls``) every connection is mutual TLS
@@ -32,6 +39,7 @@ import socket
 import ssl
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -220,6 +228,21 @@ def recv_into(sock: socket.socket, view: memoryview) -> None:
         got += r
 
 
+def _recv_by(sock: socket.socket, view: memoryview, deadline: float) -> None:
+    """:func:`recv_into` that also ends at ``deadline`` (monotonic seconds) with TimeoutError, however
+    the peer paces its bytes."""
+    got = 0
+    while got < len(view):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the handshake did not complete in time")
+        sock.settimeout(left)
+        r = sock.recv_into(view[got:])
+        if r == 0:
+            raise TransportError("connection closed by peer")
+        got += r
+
+
 def recv_bytes(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
     recv_into(sock, memoryview(buf))
@@ -245,12 +268,23 @@ class ExpertServer:
 
     One daemon thread accepts, one per connection serves frames in order. ``token`` (hex) is
     generated when not given; :meth:`close` stops accepting and closes every connection.
+    ``max_connections``, ``max_unauthenticated`` and ``hello_timeout_s`` bound what a peer without
+    the token can hold (see the module docstring); a client replica keeps one connection per shard
+    replica, so the defaults leave room for hundreds of replicas.
     """
 
     def __init__(self, handler: Handler, limits: FrameLimits, *, host: str = "127.0.0.1", port: int = 0,
                  advertise_host: str | None = None, token: str | None = None, io_timeout_s: float = 30.0,
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, max_connections: int = 512, max_unauthenticated: int = 32,
+                 hello_timeout_s: float = 5.0) -> None:
+        if not 1 <= max_unauthenticated <= max_connections:
+            raise ValueError(f"need 1 <= max_unauthenticated <= max_connections, got {max_unauthenticated} and "
+                             f"{max_connections}")
+        if not hello_timeout_s > 0:
+            raise ValueError(f"hello_timeout_s must be > 0, got {hello_timeout_s!r}")
         self.handler, self.limits, self.io_timeout_s = handler, limits, io_timeout_s
+        self.max_connections, self.max_unauthenticated = max_connections, max_unauthenticated
+        self.hello_timeout_s = hello_timeout_s
         self._tls = tls  # server-side context (ssl_context(..., server_side=True)): every connection handshakes first
         self._token = bytes.fromhex(token) if token else secrets.token_bytes(TOKEN_BYTES)
         if len(self._token) != TOKEN_BYTES:
@@ -260,8 +294,11 @@ class ExpertServer:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
+        self._unauthenticated = 0  # open connections that have not passed the HELLO yet
         self.frames = 0  # RUN frames answered OK
         self.rejected = 0  # connections closed for a bad token or a malformed frame
+        self.refused = 0  # connections closed on accept: over max_connections or max_unauthenticated
+        self.timed_out = 0  # connections closed for not completing TLS + HELLO within hello_timeout_s
         threading.Thread(target=self._accept, name=f"expert-server:{self.endpoint.port}", daemon=True).start()
 
     def close(self) -> None:
@@ -288,28 +325,49 @@ class ExpertServer:
                 if self._closed:
                     conn.close()
                     return
-                self._conns.add(conn)
+                full = len(self._conns) >= self.max_connections or self._unauthenticated >= self.max_unauthenticated
+                if full:
+                    self.refused += 1
+                else:
+                    self._conns.add(conn)
+                    self._unauthenticated += 1
+            if full:
+                conn.close()
+                continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._serve, args=(conn,), name="expert-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         head = bytearray(REQUEST.size)
+        authenticated = False
+        deadline = time.monotonic() + self.hello_timeout_s
         try:
-            conn.settimeout(self.io_timeout_s)
+            conn.settimeout(self.hello_timeout_s)
             if self._tls is not None:
                 raw = conn
-                try:
-                    conn = self._tls.wrap_socket(raw, server_side=True)
-                except OSError:  # not TLS, or a peer certificate the CA did not sign (SSLError)
-                    self.rejected += 1
-                    return
+                conn = self._tls.wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
                 with self._lock:
                     self._conns.discard(raw)
                     if self._closed:
                         return
                     self._conns.add(conn)
-            if not self._hello(conn, head):
+                try:  # here, not in wrap_socket, so that a failed handshake is counted before the socket closes
+                    conn.do_handshake()
+                except TimeoutError:
+                    self.timed_out += 1
+                    return
+                except OSError:  # not TLS, or a peer certificate the CA did not sign (SSLError)
+                    self.rejected += 1
+                    return
+            try:
+                if not self._hello(conn, head, deadline):
+                    return
+            except TimeoutError:
+                self.timed_out += 1
                 return
+            authenticated = True
+            with self._lock:
+                self._unauthenticated -= 1
             while True:
                 conn.settimeout(None)  # idle between frames for as long as the client likes
                 if conn.recv_into(head, 1) == 0:
@@ -330,10 +388,13 @@ class ExpertServer:
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                if not authenticated:
+                    self._unauthenticated -= 1
             conn.close()
 
-    def _hello(self, conn: socket.socket, head: bytearray) -> bool:
-        recv_into(conn, memoryview(head))
+    def _hello(self, conn: socket.socket, head: bytearray, deadline: float) -> bool:
+        """Read and check the HELLO and its token by ``deadline`` (TimeoutError past it)."""
+        _recv_by(conn, memoryview(head), deadline)
         try:
             kind, fields = parse_request(bytes(head))
             if kind != MSG_HELLO:
@@ -342,7 +403,9 @@ class ExpertServer:
         except FrameError as e:
             self._reject(conn, f"bad handshake: {e}")
             return False
-        if not hmac.compare_digest(recv_bytes(conn, TOKEN_BYTES), self._token):
+        token = bytearray(TOKEN_BYTES)
+        _recv_by(conn, memoryview(token), deadline)
+        if not hmac.compare_digest(bytes(token), self._token):
             self._reject(conn, "bad token")
             return False
         conn.sendall(ok_reply())

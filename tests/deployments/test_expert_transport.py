@@ -13,9 +13,9 @@ import torch
 from deployments.config import PlatformConfig
 from deployments.experts.client import ExpertPoolClient, shard_parts
 from deployments.experts.shard import ExpertShard
-from deployments.experts.transport import (MAGIC, MSG_HELLO, MSG_RUN, REPLY, REQUEST, VERSION, ExpertClient, ExpertEndpoint,
-                                          FrameError, FrameLimits, RemoteExpertError, RunHeader, TransportError, check_run,
-                                          parse_reply, parse_request, recv_bytes)
+from deployments.experts.transport import (MAGIC, MSG_HELLO, MSG_RUN, REPLY, REQUEST, TOKEN_BYTES, VERSION, ExpertClient,
+                                          ExpertEndpoint, ExpertServer, FrameError, FrameLimits, RemoteExpertError,
+                                          RunHeader, TransportError, check_run, parse_reply, parse_request, recv_bytes)
 from model import load_model
 from model.layers.moe import run_experts
 from tests.conftest import ShardHandle
@@ -275,3 +275,96 @@ def test_pool_client_finds_a_new_replica_in_the_background(shards):
     finally:
         pool.close()
         added.close()
+
+
+def _doubling_server(**bounds) -> ExpertServer:
+    return ExpertServer(lambda layer, x, idx, w: x * 2, LIMITS, **bounds)
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    """Whether the server closes ``sock`` (EOF or reset) within ``seconds``, having sent nothing."""
+    sock.settimeout(seconds)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def _served(client: ExpertClient) -> bool:
+    x, idx, w = torch.randn(3, 128), torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2)
+    return torch.equal(client.run(1, x, idx, w), x * 2)
+
+
+def test_idle_connections_over_the_bound_are_closed_before_any_token_is_read():
+    server = _doubling_server(max_connections=16, max_unauthenticated=4, hello_timeout_s=3.0)
+    ep = server.endpoint
+    early = ExpertClient(ep)  # authenticated before the flood
+    idle = [socket.create_connection((ep.host, ep.port), timeout=5) for _ in range(10)]
+    try:
+        t0 = time.monotonic()
+        extras = idle[4:]
+        assert all(_closed_within(s, 1.0) for s in extras)  # over max_unauthenticated: closed on accept
+        assert time.monotonic() - t0 < 1.5 and server.refused == 6
+        assert not any(_closed_within(s, 0.01) for s in idle[:4])  # the first 4 wait for their HELLO
+        assert _served(early)  # an authenticated connection is not held up by the flood
+        assert all(_closed_within(s, 5.0) for s in idle[:4])  # no HELLO within hello_timeout_s
+        assert 2.5 < time.monotonic() - t0 < 6.0 and server.timed_out == 4
+        late = ExpertClient(ep)  # the slots are free again
+        assert _served(late) and _served(early)
+        late.close()
+    finally:
+        for s in idle:
+            s.close()
+        early.close()
+        server.close()
+
+
+def test_a_hello_trickled_byte_by_byte_is_cut_at_the_deadline():
+    server = _doubling_server(hello_timeout_s=1.0)
+    ep = server.endpoint
+    hello = REQUEST.pack(MAGIC, VERSION, MSG_HELLO, 0, TOKEN_BYTES, 0, 0, 0, 0, 0) + bytes.fromhex(ep.token)
+    try:
+        with socket.create_connection((ep.host, ep.port), timeout=5) as sock:
+            t0, sent = time.monotonic(), 0
+            try:
+                for byte in hello:  # one byte per 0.2 s: each read is quick, the whole HELLO is not
+                    sock.sendall(bytes([byte]))
+                    sent += 1
+                    time.sleep(0.2)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            assert _closed_within(sock, 5.0)
+            assert time.monotonic() - t0 < 3.0 and sent < len(hello)
+        assert server.timed_out == 1 and server.frames == 0
+        client = ExpertClient(ep)
+        assert _served(client)
+        client.close()
+    finally:
+        server.close()
+
+
+def test_max_connections_counts_authenticated_connections_too():
+    server = _doubling_server(max_connections=3, max_unauthenticated=2)
+    clients = [ExpertClient(server.endpoint) for _ in range(3)]
+    try:
+        with pytest.raises(TransportError, match="handshake with 127.0.0.1"):
+            ExpertClient(server.endpoint)  # a fourth: closed on accept
+        assert server.refused == 1 and all(_served(c) for c in clients)
+        clients.pop().close()
+        deadline = time.monotonic() + 5
+        while True:  # the server's side of the closed connection ends in its thread
+            try:
+                clients.append(ExpertClient(server.endpoint))
+                break
+            except TransportError:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+        assert _served(clients[-1])
+    finally:
+        for c in clients:
+            c.close()
+        server.close()
+    with pytest.raises(ValueError, match="need 1 <= max_unauthenticated <= max_connections, got 8 and 4"):
+        _doubling_server(max_connections=4, max_unauthenticated=8)

@@ -22,8 +22,8 @@ from deployments.config import ExpertTransportTLS, PlatformConfig
 from deployments.experts.client import ExpertPoolClient
 from deployments.experts.shard import ExpertShard
 from deployments.experts.transport import tls_context
-from deployments.experts.transport import (MAGIC, MSG_HELLO, REQUEST, TOKEN_BYTES, VERSION, ExpertClient, TransportError,
-                                          recv_bytes, ssl_context)
+from deployments.experts.transport import (MAGIC, MSG_HELLO, REQUEST, TOKEN_BYTES, VERSION, ExpertClient, ExpertServer,
+                                          FrameLimits, TransportError, recv_bytes, ssl_context)
 from model import load_model
 from model.layers.moe import run_experts
 from tests.conftest import ShardHandle
@@ -170,3 +170,24 @@ def test_bad_tls_files_are_named(pki, tmp_path):
         _ctx(f.cert_file, f.key_file, str(junk))
     with pytest.raises(ValueError, match="cert_file .*junk.pem' / key_file .* do not load"):
         _ctx(str(junk), f.key_file, f.ca_file, server_side=True)
+
+
+def test_a_tls_handshake_that_never_starts_is_cut_at_the_deadline(pki):
+    server = ExpertServer(lambda layer, x, idx, w: x * 2, FrameLimits(dim=4, layers=frozenset({1})),
+                          tls=_ctx(**pki["cluster"].model_dump(), server_side=True), hello_timeout_s=0.5,
+                          max_unauthenticated=1)
+    ep = server.endpoint
+    try:
+        with socket.create_connection((ep.host, ep.port), timeout=5) as idle:
+            t0 = time.monotonic()
+            with socket.create_connection((ep.host, ep.port), timeout=5) as extra:
+                assert extra.recv(1) == b""  # over max_unauthenticated: closed on accept, before any TLS
+            assert idle.recv(1) == b""  # sent nothing: closed when the handshake's time is up
+            assert 0.4 < time.monotonic() - t0 < 3.0
+        assert (server.refused, server.timed_out, server.rejected) == (1, 1, 0)
+        client = ExpertClient(ep, tls=_ctx(**pki["cluster"].model_dump()))
+        x = torch.randn(2, 4)
+        assert torch.equal(client.run(1, x, torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1)), x * 2)
+        client.close()
+    finally:
+        server.close()

@@ -244,7 +244,7 @@ for _, m in ipairs(members) do
     left = left - take
   end
 end
-redis.call('HINCRBY', h, 'total', left - tokens)
+if left < tokens then redis.call('HINCRBY', h, 'total', left - tokens) end
 return tokens - left
 """
 

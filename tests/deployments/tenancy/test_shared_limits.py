@@ -116,6 +116,14 @@ def test_retry_after_values_seen_by_the_other_replica(url):
     assert e.value.retry_after_s == 30.0 and "2 of 2 requests used" in e.value.message
     assert b.usage(tenant("bob")) == (0, 0)  # another tenant's window is empty
     b.acquire(tenant("bob", rpm=1), 5)
+    assert b.refund(tenant("ghost"), 5) == 0
+    raw = redis.Redis.from_url(url)
+    try:  # the windows expire a minute after their last admission; refunds and reads create nothing
+        assert sorted(k.decode() for k in raw.keys("deltaserve:limits:*")) == [
+            f"deltaserve:limits:{{{name}}}:{part}" for name in ("acme", "bob") for part in ("n", "seq", "t")]
+        assert all(0 < raw.pttl(f"deltaserve:limits:{{acme}}:{part}") <= 61_000 for part in ("n", "t"))
+    finally:
+        raw.close()
 
 
 def test_the_shared_window_holds_under_concurrent_replicas_on_redis_time(url):

@@ -6,7 +6,7 @@ The same drivers as ``make test``'s smaller runs (tests/deployments/test_fuzz_ht
 over the OpenAPI document; tests/deployments/test_fuzz_grpc.py: Hypothesis over GenerateRequest /
 ListModels), at full size, on one `deltaserve up`. Prints the counts (cases, how many reached the
 engine, the status histogram, the 4xx by parameter), every 5xx / INTERNAL / UNKNOWN / hang, and
-whether both pools' greedy output for a fixed prompt is the same before and after; exits 1 if
+503s with Retry-After (load shed) apart, and whether both pools' greedy output for a fixed prompt is the same before and after; exits 1 if
 not, or on any failure.
 """
 
@@ -47,6 +47,8 @@ def main() -> int:
     print("  4xx by (status, param, code): " + ", ".join(f"{k}: {v}" for k, v in h.refusals.most_common(15)))
     for e in h.server_errors[:30] + h.timeouts[:30]:
         print(f"  FAIL {e[:400]}")
+    for e in h.shed[:10]:
+        print(f"  shed {e[:400]}")
     print(f"gRPC (Hypothesis, {t2 - t1:.0f} s): {g.summary()}")
     for e in g.failures[:30]:
         print(f"  FAIL {e[:400]}")
@@ -55,7 +57,7 @@ def main() -> int:
     ok = same and not h.server_errors and not h.timeouts and not g.failures
     print(f"Reproduce: {COMMAND} --http-cases {args.http_cases} --grpc-calls {args.grpc_calls} --seed {args.seed}")
     print(json.dumps({"http": {"cases": h.cases, "reached_engine": h.reached_engine, "statuses": dict(h.statuses),
-                               "server_errors": len(h.server_errors), "timeouts": len(h.timeouts)},
+                               "server_errors": len(h.server_errors), "shed_503": len(h.shed), "timeouts": len(h.timeouts)},
                       "grpc": {"calls": g.calls, "reached_engine": g.reached_engine, "codes": dict(g.codes),
                                "failures": len(g.failures)}, "greedy_unchanged": same}))
     return 0 if ok else 1

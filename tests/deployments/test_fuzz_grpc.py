@@ -6,7 +6,7 @@ Drawn: prompts and chat messages (unicode, the chat template's control tokens, s
 penalties, logprobs, seeds (0 to the int64 extremes), stop lists (empty strings, 5,000-character
 strings, hundreds of entries), ``max_tokens`` (unset, 0, negative, huge), model ids (valid,
 unknown, empty, 10,000 characters), session ids, cache salts, keys (valid, standard-only, wrong,
-none). So that most calls reach the engine, the model id is valid in 8 of 10, half the calls have
+none). So that most calls reach the engine, the model id is valid in 85 of 100, 7 in 10 calls have
 every field in range, and the rest each field out of range with probability 0.1; a valid
 model's call always sets ``max_tokens`` (unset, its default is the rest of the context: a long
 decode), in range at most 8.
@@ -67,16 +67,16 @@ class GrpcFuzzCounts:
 
 
 def _request(texts: list[str], rng: random.Random) -> pb.GenerateRequest:
-    """A drawn request: in half of them every field in range, else each field out of range with
+    """A drawn request: in 7 of 10 every field in range, else each field out of range with
     probability 0.1 (so most calls still pass validation and reach the engine). Text fields take
     their values from ``texts`` (drawn by Hypothesis)."""
-    p_edge = 0.0 if rng.random() < 0.5 else 0.1
+    p_edge = 0.0 if rng.random() < 0.7 else 0.1
 
     def edge() -> bool:
         return rng.random() < p_edge
 
     kw: dict = {}
-    valid_model = rng.random() < 0.8
+    valid_model = rng.random() < 0.85
     kw["model"] = rng.choice(MODELS) if valid_model else rng.choice(["", "k3", "gpt-4o", "m" * 10_000, rng.choice(texts)])
     text = rng.choice(texts) or "hello"
     if rng.random() < 0.15:
@@ -121,7 +121,7 @@ def _request(texts: list[str], rng: random.Random) -> pb.GenerateRequest:
 
 def _metadata(rng: random.Random, platform: Platform) -> tuple[tuple[str, str], ...]:
     roll = rng.random()
-    key = platform.key if roll < 0.85 else platform.standard_only_key if roll < 0.93 else "ds-not-a-key" if roll < 0.97 else None
+    key = platform.key if roll < 0.9 else platform.standard_only_key if roll < 0.96 else "ds-not-a-key" if roll < 0.98 else None
     md = [("authorization", f"Bearer {key}")] if key else []
     if rng.random() < 0.05:
         md.append(("x-session-id", rng.choice(["meta-session", "m" * 5000])))
@@ -203,5 +203,5 @@ def test_grpc_fuzz_no_internal_error_and_greedy_unchanged(shared_platform: Platf
     print(counts.summary())
     assert counts.failures == [], "\n".join(counts.failures[:20])
     assert counts.calls == 150
-    assert counts.reached_engine >= counts.calls // 3, "most calls should reach the engine: " + counts.summary()
+    assert counts.reached_engine >= 0.4 * counts.calls, "most calls should reach the engine: " + counts.summary()
     assert after == before

@@ -9,7 +9,9 @@ not touch (temperature, top_p, seed, stop, stream options, unknown fields, wrong
 ``x-session-id`` header) is left as drawn, positive and negative (schema-violating) cases alike.
 
 The property: no response is a 5xx, no stream ends with a server error, no request hangs past
-its timeout, and both pools give the same greedy output for a fixed prompt before and after.
+its timeout, and both pools give the same greedy output for a fixed prompt before and after. A
+503 with ``Retry-After`` (the platform shedding load: on this shared 2-core machine a replica can
+be starved past its queue timeout) is counted apart and reported, not taken for a failure.
 :func:`http_fuzz` is the driver; ``benchmarks/fuzz.py`` runs it at full size (>= 2,000 cases).
 """
 
@@ -47,14 +49,15 @@ class FuzzCounts:
     cases: int = 0  # requests sent
     reached_engine: int = 0  # completions answered 200 with generated output (so a prefill ran)
     statuses: Counter = field(default_factory=Counter)  # HTTP status -> responses
-    server_errors: list[str] = field(default_factory=list)  # every 5xx and stream server error: request + answer
+    server_errors: list[str] = field(default_factory=list)  # every 5xx (but shed ones) and stream server error
+    shed: list[str] = field(default_factory=list)  # 503 with Retry-After: the platform over capacity (a loaded machine)
     timeouts: list[str] = field(default_factory=list)  # requests with no answer within CASE_TIMEOUT_S
     unsendable: int = 0  # drawn requests httpx refuses to send (e.g. a header value it cannot encode)
     refusals: Counter = field(default_factory=Counter)  # 4xx error (status, param, code) -> responses
 
     def summary(self) -> str:
         return (f"{self.cases} cases, {self.reached_engine} reached the engine, statuses "
-                f"{dict(sorted(self.statuses.items()))}, {len(self.server_errors)} server errors, "
+                f"{dict(sorted(self.statuses.items()))}, {len(self.server_errors)} server errors, {len(self.shed)} shed (503), "
                 f"{len(self.timeouts)} timeouts, {self.unsendable} unsendable")
 
 
@@ -71,11 +74,11 @@ _CORE = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "
 
 
 def _steer(rng: random.Random, path: str, body: dict) -> dict:
-    """``body`` with a valid model id and a small generation length. In half the cases every other
+    """``body`` with a valid model id and a small generation length. In 3 of 4 every other
     field is in range: the sampling fields from :data:`_EDGES`'s in-range values (or unset), the
-    rest dropped. In the other half each drawn field is kept with probability 0.2 and each
+    rest dropped, chat roles valid. In the others each drawn field is kept with probability 0.2 and each
     sampling field is out of range with probability 0.15. Sometimes special prompt text."""
-    clean = rng.random() < 0.5
+    clean = rng.random() < 0.75
     body = {k: v for k, v in body.items() if k in _CORE or (not clean and rng.random() < 0.2)}
     body["model"] = rng.choice(MODELS)
     for name in _LENGTH_FIELDS[path]:
@@ -96,8 +99,11 @@ def _steer(rng: random.Random, path: str, body: dict) -> dict:
         body["messages"] = [{k: v for k, v in m.items() if k in ("role", "content", "name")} if isinstance(m, dict) else m
                             for m in messages] or [{"role": "user", "content": "hi"}]
         for m in body["messages"]:
-            if clean and isinstance(m, dict) and not isinstance(m.get("content"), str):
-                m["content"] = "hi"
+            if clean and isinstance(m, dict):
+                if not isinstance(m.get("content"), str):
+                    m["content"] = "hi"
+                if m.get("role") not in ("system", "user", "assistant"):
+                    m["role"] = "user"
     if isinstance(body.get("prompt"), list) and (clean or rng.random() < 0.75):
         body["prompt"] = "".join(p for p in body["prompt"] if isinstance(p, str))
     if body.get("prompt") == "" and (clean or rng.random() < 0.75):
@@ -112,10 +118,10 @@ def _steer(rng: random.Random, path: str, body: dict) -> dict:
 
 
 def _headers(rng: random.Random, platform: Platform) -> dict[str, str]:
-    """Mostly the ``fuzz`` tenant's key; sometimes the standard-only tenant's, a wrong one or none;
+    """Mostly (9 in 10) the ``fuzz`` tenant's key; sometimes the standard-only tenant's, a wrong one or none;
     sometimes an ``x-session-id`` (printable, or 10,000 characters)."""
     roll = rng.random()
-    key = platform.key if roll < 0.85 else platform.standard_only_key if roll < 0.93 else "ds-not-a-key" if roll < 0.97 else None
+    key = platform.key if roll < 0.9 else platform.standard_only_key if roll < 0.96 else "ds-not-a-key" if roll < 0.98 else None
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     roll = rng.random()
     if roll < 0.03:
@@ -160,7 +166,9 @@ def _send(client: httpx.Client, method: str, url: str, headers: dict, kwargs: di
         with contextlib.suppress(ValueError, AttributeError, TypeError):
             err = r.json()["error"]
             counts.refusals[(r.status_code, err.get("param"), err.get("code"))] += 1
-    if r.status_code >= 500:
+    if r.status_code == 503 and r.headers.get("retry-after"):
+        counts.shed.append(f"{desc} -> 503 {r.text[:300]}")
+    elif r.status_code >= 500:
         counts.server_errors.append(f"{desc} -> {r.status_code} {r.text[:300]}")
     for ev in events or ():
         if "error" in ev and (ev["error"].get("type") == "server_error" or str(ev["error"].get("code", "")).startswith("5")):
@@ -170,8 +178,8 @@ def _send(client: httpx.Client, method: str, url: str, headers: dict, kwargs: di
 
 def http_fuzz(platform: Platform, cases: int, *, seed: int = 0) -> FuzzCounts:
     """Send ``cases`` schemathesis-drawn requests to ``platform`` and count the answers: 5 in 100
-    to the other routes, 10 completions as drawn, 15 schema-violating ones steered (a valid model:
-    the platform's own validation must refuse them), 70 valid ones steered (see :func:`_steer`)."""
+    to the other routes, 5 completions as drawn, 15 schema-violating ones steered (a valid model:
+    the platform's own validation must refuse them), 75 valid ones steered (see :func:`_steer`)."""
     import schemathesis
     from schemathesis import GenerationMode
 
@@ -197,10 +205,10 @@ def http_fuzz(platform: Platform, cases: int, *, seed: int = 0) -> FuzzCounts:
             rng = random.Random(data.draw(st.integers(0, 2**64 - 1)) + (next(examples) << 64))
             roll = rng.random()
             op = rng.choice(others) if roll < 0.05 else rng.choice(completions)
-            case = negative[op.path] if 0.15 <= roll < 0.3 else positive[op.path]
+            case = negative[op.path] if 0.1 <= roll < 0.25 else positive[op.path]
             kwargs = case.as_transport_kwargs(base_url=platform.http_url)
             body = kwargs.get("json")
-            if op.path in _LENGTH_FIELDS and isinstance(body, dict) and roll >= 0.15:
+            if op.path in _LENGTH_FIELDS and isinstance(body, dict) and roll >= 0.1:
                 kwargs["json"] = _steer(rng, op.path, body)
             extra = {"params": kwargs.get("params") or None, **({"json": kwargs["json"]} if "json" in kwargs else {})}
             _send(client, op.method.upper(), case.formatted_path, _headers(rng, platform), extra, counts)
@@ -219,5 +227,5 @@ def test_http_fuzz_no_server_error_and_greedy_unchanged(shared_platform: Platfor
     assert counts.server_errors == [], "\n".join(counts.server_errors[:20])
     assert counts.timeouts == [], "\n".join(counts.timeouts[:20])
     assert counts.cases >= 190, counts.summary()
-    assert counts.reached_engine >= counts.cases // 3, "the steering should make many cases reach the engine: " + counts.summary()
+    assert counts.reached_engine >= 0.4 * counts.cases, "the steering should make many cases reach the engine: " + counts.summary()
     assert after == before

@@ -74,3 +74,16 @@ def test_grpc_listens_on_localhost_only_and_the_generated_key_is_not_in_rays_log
         assert any(p.suffix in (".log", ".err", ".out") for p in files)
         leaked = [str(p) for p in files if key.encode() in p.read_bytes()]
         assert leaked == []
+
+
+def test_check_env_key_accepts_a_key_of_the_file_and_names_the_file_otherwise(tmp_path):
+    from deployments.cli.up import check_env_key
+
+    path = tmp_path / "tenants.yaml"
+    reg = TenantRegistry()
+    _, key = reg.add("alice", pools=["standard"])
+    reg.save(path)
+    check_env_key(str(path), key)
+    check_env_key(str(path), None)  # no DELTASERVE_API_KEY: nothing to check
+    with pytest.raises(ValueError, match=re.escape(f"not a key of any enabled tenant in {path} (invalid API key;")):
+        check_env_key(str(path), "ds-some-other-key-0123456789abcdef")

@@ -15,7 +15,7 @@ then runs the load. Each client loops over a random mix:
 * disconnect (1.5 in 10): a long stream the client closes after two chunks.
 
 Every ``--kill-every-s`` seconds one ``decode-standard`` replica actor is killed (``ray.kill``, no
-restart: Serve starts a new one) while another is alive. Reported: good requests total / failed,
+restart: Serve starts a new one) once another is running. Reported: good requests total / failed,
 responses >= 500, completed good streams whose text differs from the undisturbed run, and each
 replica's resident memory after warm-up vs at the end. Writes the figures to stdout as a last
 JSON line.
@@ -175,17 +175,28 @@ def _rss_kib(pid: int) -> int | None:
     return None
 
 
+def _running_decode_replicas() -> int:
+    from ray import serve
+
+    states = serve.status().applications["deltaserve"].deployments["decode-standard"].replica_states
+    return states.get("RUNNING", 0)
+
+
 def _killer(every_s: float, t0: float, stop: threading.Event, counts: SoakCounts, rng: random.Random) -> None:
+    """Every ``every_s``: once two ``decode-standard`` replicas are RUNNING (a replacement for the
+    last victim may still be starting), kill one of them."""
     import ray
 
     while not stop.wait(every_s):
-        decodes = [a for a in _replica_actors() if a["class"].endswith(":decode-standard")]
-        if len(decodes) < 2:
-            counts.kills.append(f"{time.monotonic() - t0:.0f}s: skipped, {len(decodes)} decode-standard replica(s) alive")
-            continue
-        victim = rng.choice(decodes)
+        waited = time.monotonic()
+        while _running_decode_replicas() < 2 and not stop.wait(0.5):
+            pass
+        if stop.is_set():
+            break
+        victim = rng.choice([a for a in _replica_actors() if a["class"].endswith(":decode-standard")])
         ray.kill(ray.get_actor(victim["name"], namespace="serve"), no_restart=True)
-        counts.kills.append(f"{time.monotonic() - t0:.0f}s: killed {victim['name']} (pid {victim['pid']})")
+        counts.kills.append(f"{time.monotonic() - t0:.0f}s: killed {victim['name']} (pid {victim['pid']}; "
+                            f"waited {time.monotonic() - waited:.0f} s for two running)")
 
 
 def undisturbed_run(platform: Platform) -> dict[tuple[str, str], str]:

@@ -2,7 +2,8 @@
 
 Against a real `deltaserve up`: a long greedy stream (``max_tokens`` 2,000, ``ignore_eos``) is
 started over HTTP (SSE) or gRPC (``GenerateStream``), a few chunks are read, then the client
-closes the connection / cancels the call. The standard decode replica's ``stats()`` (read over a
+closes the connection / cancels the call; or a non-streamed completion is sent over a raw socket
+and the socket closed once decode is under way. The standard decode replica's ``stats()`` (read over a
 Serve handle from a Ray driver joined to the platform's cluster) must show the sequence running
 while the stream flows, and no running sequence and every slot free again within 2 s of the
 hang-up (a decode step here takes tens of milliseconds: 2 s is many steps, far less than the
@@ -11,6 +12,8 @@ hang-up (a decode step here takes tens of milliseconds: 2 s is many steps, far l
 
 from __future__ import annotations
 
+import json
+import socket
 import time
 
 import grpc
@@ -55,6 +58,19 @@ def _http_stream_and_hang_up(platform: Platform, while_streaming) -> None:
     # leaving both blocks closes the response and the connection (the client is gone)
 
 
+def _http_wait_and_hang_up(platform: Platform, while_streaming) -> None:
+    """A non-streamed completion whose client stops waiting once decode is under way (a raw socket:
+    the request sent, the connection closed, nothing read)."""
+    body = json.dumps({"model": MODEL, "prompt": FIXED_PROMPT, "max_tokens": LONG, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    host, port = platform.http_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nAuthorization: Bearer %s\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (host.encode(), platform.key.encode(), len(body), body))
+        while_streaming(until_running=True)
+
+
 def _grpc_stream_and_hang_up(platform: Platform, while_streaming) -> None:
     req = pb.GenerateRequest(model=MODEL, prompt=FIXED_PROMPT, max_tokens=LONG, temperature=0.0, ignore_eos=True)
     with grpc.insecure_channel(platform.grpc_target) as channel:
@@ -68,7 +84,7 @@ def _grpc_stream_and_hang_up(platform: Platform, while_streaming) -> None:
         call.cancel()
 
 
-@pytest.mark.parametrize("transport", ["http", "grpc"])
+@pytest.mark.parametrize("transport", ["http", "http-not-streamed", "grpc"])
 def test_hang_up_mid_stream_frees_the_decode_slot(shared_platform: Platform, transport: str):
     from ray import serve
 
@@ -77,10 +93,18 @@ def test_hang_up_mid_stream_frees_the_decode_slot(shared_platform: Platform, tra
         _, idle = _wait_for(handle, lambda s: s["running"] == 0 and s["waiting"] == 0, 60)
         assert idle["running"] == 0 and idle["waiting"] == 0, idle
         aborted_before = idle["aborted"]
-        hang_up = _http_stream_and_hang_up if transport == "http" else _grpc_stream_and_hang_up
+        hang_up = {"http": _http_stream_and_hang_up, "http-not-streamed": _http_wait_and_hang_up,
+                   "grpc": _grpc_stream_and_hang_up}[transport]
 
         streaming: list[dict] = []
-        hang_up(shared_platform, lambda: streaming.append(_decode_stats(handle)))
+
+        def snapshot(until_running: bool = False) -> None:
+            """The decode replica's stats while the request decodes (``until_running``: once it does)."""
+            if until_running:
+                _wait_for(handle, lambda s: s["running"] == 1 and s["decode_tokens"] > idle["decode_tokens"] + 3, 60)
+            streaming.append(_decode_stats(handle))
+
+        hang_up(shared_platform, snapshot)
         assert streaming[0]["running"] == 1 and streaming[0]["free_slots"] == idle["free_slots"] - 1, streaming
         took, stats = _wait_for(handle, lambda s: s["running"] == 0 and s["free_slots"] == idle["free_slots"], 30)
         assert stats["running"] == 0 and stats["waiting"] == 0, f"slot still held {took:.1f} s after the hang-up: {stats}"

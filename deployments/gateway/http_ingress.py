@@ -110,7 +110,6 @@ class _OpenAIRequest(BaseModel):
 class CompletionRequest(_OpenAIRequest):
     prompt: str | list[str] = Field(description="the prompt (a list must hold exactly one string); literal "
                                     "control-token strings in it are plain text unless allow_special_tokens")
-    max_tokens: int | None = Field(None, ge=1, description="tokens to generate per choice (default 16, as OpenAI's)")
     logprobs: int | None = Field(None, description=f"0 to {_LIMITS.max_logprobs}: each token's logprob and this "
                                  "many most likely alternatives")
     allow_special_tokens: bool = Field(False, description="deltaserve extension: literal control-token strings in the "
@@ -121,8 +120,6 @@ class CompletionRequest(_OpenAIRequest):
 
     def to_input(self, session_id: str | None) -> CompletionInput:
         common = self.common()
-        if common["max_tokens"] is None:
-            common["max_tokens"] = 16
         prompt = self.prompt
         if isinstance(prompt, list):
             if len(prompt) != 1:

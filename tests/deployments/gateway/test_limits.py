@@ -106,12 +106,13 @@ def test_unknown_model_lists_the_valid_ids(served):
 
 
 def test_max_tokens_defaults_to_the_rest_of_the_context(served):
-    """Chat without max_tokens runs to the end of the tenant's context (bob: 64 tokens)."""
-    r = _post(served, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True,
-                       "temperature": 0}, "/v1/chat/completions", key=served.small_key)
-    assert r.status_code == 200, r.text
-    usage = r.json()["usage"]
-    assert usage["prompt_tokens"] + usage["completion_tokens"] == 64 and r.json()["choices"][0]["finish_reason"] == "length"
+    """Chat and completions without max_tokens run to the end of the tenant's context (bob: 64 tokens)."""
+    for body, route in [({"messages": [{"role": "user", "content": "hi"}]}, "/v1/chat/completions"),
+                        ({"prompt": "def f(x):"}, "/v1/completions")]:
+        r = _post(served, {"model": MODEL, **body, "ignore_eos": True, "temperature": 0}, route, key=served.small_key)
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == 64 and r.json()["choices"][0]["finish_reason"] == "length"
     err = _error(_post(served, {"model": MODEL, "messages": [{"role": "user", "content": "x" * 80}]},
                        "/v1/chat/completions", key=served.small_key), 400)
     assert err["code"] == "context_length_exceeded" and err["param"] == "prompt" and "is 64 tokens" in err["message"]

@@ -153,6 +153,7 @@ def check_env_key(tenants_file: str, api_key: str | None) -> None:
 
 
 def up(args: argparse.Namespace) -> int:
+    from cache_service.codec import default_key_path, load_cache_key
     from deployments.tenancy import default_dev_tenants
 
     try:
@@ -169,6 +170,8 @@ def up(args: argparse.Namespace) -> int:
         _, new_key = default_dev_tenants(config.tenants_file, os.environ.get("DELTASERVE_API_KEY"))
         if not new_key:
             check_env_key(config.tenants_file, os.environ.get("DELTASERVE_API_KEY"))
+        if config.cache.enabled:  # the replicas' shared cache key: a bad key or file mode fails here, not in a replica
+            load_cache_key(default_key_path(config.tenants_file))
     except (ValueError, FileNotFoundError) as e:
         print(f"deltaserve up: {e}", file=sys.stderr)
         return 2

@@ -128,9 +128,17 @@ async def _client(platform: Platform, rng: random.Random, undisturbed: dict, dea
                     counts.good += 1
                     body = {"model": model, "prompt": prompt, "max_tokens": GOOD_TOKENS, "temperature": 0,
                             "ignore_eos": True, "stream": True}
-                    status, text, finish, done, errors = await _stream(client, platform.auth, body, counts)
-                    if status != 200 or errors or not done or finish != "length":
-                        counts.good_failed.append(f"{model} {prompt!r}: status {status} finish {finish} done {done} {errors}")
+                    try:
+                        status, text, finish, done, errors = await _stream(client, platform.auth, body, counts)
+                    except httpx.HTTPError as e:
+                        counts.good_failed.append(f"{model}: {type(e).__name__} ({e})")
+                        continue
+                    if status != 200:
+                        counts.good_failed.append(f"{model}: status {status} ({prompt!r})")
+                    elif errors:
+                        counts.good_failed.append(f"{model}: stream error {errors[0].get('code')} ({errors[0]})")
+                    elif not done or finish != "length":
+                        counts.good_failed.append(f"{model}: finish {finish}, [DONE] {done} ({prompt!r})")
                     elif text != undisturbed[model, prompt]:
                         counts.good_mismatched += 1
                 elif roll < 0.85:
@@ -150,10 +158,7 @@ async def _client(platform: Platform, rng: random.Random, undisturbed: dict, dea
                             "temperature": 0, "ignore_eos": True, "stream": True}
                     await _stream(client, platform.auth, body, counts, stop_after_chunks=2)
             except httpx.HTTPError as e:
-                if roll < 0.6:
-                    counts.good_failed.append(f"{type(e).__name__}: {e}")
-                else:
-                    counts.server_errors.append(f"no answer: {type(e).__name__}: {e}")
+                counts.server_errors.append(f"no answer: {type(e).__name__}: {e}")
 
 
 def _replica_actors() -> list[dict]:
@@ -278,9 +283,11 @@ def main() -> int:
           f"{counts.good_mismatched} of them not token-identical to the undisturbed run")
     print(f"bad requests: {counts.bad}; client disconnects: {counts.disconnects}; responses >= 500: "
           f"{len(counts.server_errors)}; statuses {dict(sorted(counts.statuses.items()))}; ingress failovers {failovers}")
-    for f in counts.good_failed[:10]:
+    for reason, n in Counter(f.split(" (")[0] for f in counts.good_failed).most_common():
+        print(f"  failed good requests: {n} x {reason}")
+    for f in counts.good_failed[:5]:
         print(f"  failed: {f}")
-    for e in counts.server_errors[:10]:
+    for e in counts.server_errors[:5]:
         print(f"  >= 500: {e}")
     print("resident memory (after warm-up -> end; replicas started during the load have no warm-up figure):")
     for m in memory:

@@ -80,7 +80,9 @@ def build_app(args: dict | PlatformConfig | None = None) -> serve.Application:
             config, pool, shards or None, object_store_handoff=True)
         decode[pool] = serve.deployment(Decode, **_options(config, f"decode-{pool}", counts[f"decode-{pool}"],
                                                            max_ongoing=pc.max_num_seqs,
-                                                           max_queued=pc.max_queued_requests)).bind(
+                                                           # what prefill admitted may all wait here: a stream whose
+                                                           # first token the client has is not shed for capacity
+                                                           max_queued=pc.max_queued_requests + config.num_slots)).bind(
             config, pool, shards or None)
     admin = serve.deployment(CacheAdmin, **_options(config, "cache-admin", 1, max_ongoing=16)).bind(config, prefill, decode)
     return serve.deployment(IngressASGI, **_options(config, "ingress", 1, max_ongoing=config.ingress_max_ongoing_requests,

@@ -108,7 +108,7 @@ def _default_pools() -> dict[str, PoolConfig]:
                                stream_interval_ms=100, prefill_gather_wait_ms=100, prefill_gather_gap_ms=30,
                                decode_gather_wait_ms=60, decode_gather_gap_ms=10),
         "highspeed": PoolConfig(max_num_seqs=4, max_num_batched_tokens=256, ttft_slo_ms=1000, tpot_slo_ms=100,
-                                stream_interval_ms=20, request_timeout_s=300, max_queued_requests=16),
+                                stream_interval_ms=20, request_timeout_s=300),
     }
 
 

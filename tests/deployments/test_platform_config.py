@@ -118,8 +118,9 @@ def test_deployment_options_cap_each_replica_at_what_its_engine_holds_and_bound_
     assert sorted(deployments) == ["cache-admin", "decode-highspeed", "decode-standard", "ingress",
                                    "prefill-highspeed", "prefill-standard"]
     got = {name: (d.max_ongoing_requests, d.max_queued_requests) for name, d in deployments.items()}
-    assert got == {"prefill-standard": (32, 64), "decode-standard": (32, 64), "prefill-highspeed": (32, 16),
-                   "decode-highspeed": (4, 16), "ingress": (1024, 1024), "cache-admin": (16, -1)}
+    # decode queues what its pool's prefill replica may hold besides its own queue (32 slots)
+    assert got == {"prefill-standard": (32, 64), "decode-standard": (32, 96), "prefill-highspeed": (32, 64),
+                   "decode-highspeed": (4, 96), "ingress": (1024, 1024), "cache-admin": (16, -1)}
     limit = grpc_message_limit("k3-tiny", 8192)
     for d in deployments.values():
         assert d._deployment_config.health_check_period_s == 2.0 and d._deployment_config.health_check_timeout_s == 10.0

@@ -26,6 +26,8 @@ import httpx
 
 from cache_service import find_free_port
 
+from tests.deployments.up_process import descendants
+
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "k3-tiny"
 MODELS = (MODEL, f"{MODEL}-highspeed")
@@ -51,20 +53,7 @@ class Platform:
 
     def descendants(self) -> list[int]:
         """Pids of every process under `deltaserve up` (Ray's GCS, raylet, workers, replicas)."""
-        children: dict[int, list[int]] = {}
-        for d in os.listdir("/proc"):
-            if d.isdigit():
-                try:
-                    stat = Path(f"/proc/{d}/stat").read_text()
-                except OSError:
-                    continue
-                children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(d))
-        out, stack = [], [self.proc.pid]
-        while stack:
-            for c in children.get(stack.pop(), []):
-                out.append(c)
-                stack.append(c)
-        return out
+        return descendants(self.proc.pid)
 
     def gcs_address(self) -> str:
         """``host:port`` of this platform's GCS. Other Ray clusters may run on the machine (so Ray's

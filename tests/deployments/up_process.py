@@ -25,6 +25,24 @@ from cache_service import find_free_port
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def descendants(pid: int) -> list[int]:
+    """Pids of every process under ``pid`` (under `deltaserve up`: Ray's GCS, raylet, workers, Serve's proxies and replicas)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(d))
+    out, stack = [], [pid]
+    while stack:
+        for c in children.get(stack.pop(), []):
+            out.append(c)
+            stack.append(c)
+    return out
+
+
 @dataclass
 class UpProcess:
     proc: subprocess.Popen
@@ -34,20 +52,7 @@ class UpProcess:
 
     def descendants(self) -> list[int]:
         """Pids of every process under it (Ray's GCS, raylet, workers, Serve's proxies and replicas)."""
-        children: dict[int, list[int]] = {}
-        for d in os.listdir("/proc"):
-            if d.isdigit():
-                try:
-                    stat = Path(f"/proc/{d}/stat").read_text()
-                except OSError:
-                    continue
-                children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(d))
-        out, stack = [], [self.proc.pid]
-        while stack:
-            for c in children.get(stack.pop(), []):
-                out.append(c)
-                stack.append(c)
-        return out
+        return descendants(self.proc.pid)
 
     def ray_session_dir(self) -> Path:
         """The session directory of the Ray cluster this process started (from its raylet's command line)."""

@@ -2,16 +2,14 @@
 
 Ray stays here. Every hop is bounded in time (never an ``await`` without a timeout):
 
-- waiting for a prefill replica: at most the pool's ``queue_timeout_s`` in the handle's queue (every
+- waiting for a replica: at most the pool's ``queue_timeout_s`` in the handle's queue (every
   replica busy, or none live because they were killed, are restarting or cannot start), then
   :class:`~deployments.gateway.errors.Overloaded` (503, Retry-After); a full queue is Serve's
   ``BackPressureError`` and a deployment Serve gave up on its ``DeploymentUnavailableError``, both
   passed through (503 in :func:`~deployments.gateway.errors.as_api_error`);
 - prefill: its reply within the pool's ``request_timeout_s`` (the frontend also holds the whole
   request to it);
-- decode: a replica within the pool's ``request_timeout_s`` (the client already has the first
-  token, so a stream is not shed for capacity once it started), then each chunk within
-  ``stream_idle_timeout_s`` of the last.
+- decode: each chunk within ``stream_idle_timeout_s`` of the last.
 
 A replica that dies, cannot be reached, reports itself broken (a ``ReplicaFailed`` raised in it)
 or goes silent mid-stream becomes :class:`~deployments.gateway.errors.ReplicaFailed`, so the
@@ -105,9 +103,7 @@ class ServeBackend:
         stream = self.decode_handles[pool].options(stream=True).generate.remote(req)
         done = False
         try:
-            # the client already has its first token: wait for a decode replica as long as the request may
-            # last (shedding belongs before the first byte, at prefill)
-            await _assigned(stream, f"decode-{pool}", t.prefill_s)
+            await _assigned(stream, f"decode-{pool}", t.queue_s)
             while True:
                 try:
                     chunk = await asyncio.wait_for(stream.__anext__(), t.chunk_s)

@@ -9,7 +9,9 @@ Ray stays here. Every hop is bounded in time (never an ``await`` without a timeo
   passed through (503 in :func:`~deployments.gateway.errors.as_api_error`);
 - prefill: its reply within the pool's ``request_timeout_s`` (the frontend also holds the whole
   request to it);
-- decode: each chunk within ``stream_idle_timeout_s`` of the last.
+- decode: a replica likewise within ``queue_timeout_s`` when none is live; while one is, within the
+  request's deadline (the client already has its first token: a started stream is not shed for
+  capacity); then each chunk within ``stream_idle_timeout_s`` of the last.
 
 A replica that dies, cannot be reached, reports itself broken (a ``ReplicaFailed`` raised in it)
 or goes silent mid-stream becomes :class:`~deployments.gateway.errors.ReplicaFailed`, so the
@@ -59,14 +61,28 @@ def _replica_failure(e: BaseException) -> ReplicaFailed | HandoffLost | None:
     return None
 
 
-async def _assigned(response, deployment: str, timeout_s: float) -> None:
-    """Wait until Serve assigned ``response`` to a replica; after ``timeout_s`` cancel it and raise
-    Overloaded. (``_fetch_future_result_async`` is Serve's own await of the assignment, in both
-    Serve modes.)"""
+def _has_running_replica(deployment: str) -> bool:
+    """Whether Serve's controller reports a RUNNING replica of ``deployment`` in this application
+    (True when it cannot tell: the caller then keeps waiting within its deadline)."""
     try:
-        await asyncio.wait_for(response._fetch_future_result_async(), timeout_s)
+        from ray import serve
+
+        app = serve.get_replica_context().app_name
+        states = serve.status().applications[app].deployments[deployment].replica_states
+        return states.get("RUNNING", 0) > 0
+    except Exception:  # not in a replica, or the controller is unreachable
+        return True
+
+
+async def _assigned(response, deployment: str, timeout_s: float, *, cancel: bool = True) -> None:
+    """Wait until Serve assigned ``response`` to a replica; after ``timeout_s`` raise Overloaded (and
+    cancel the request, unless ``cancel`` is False). (``_fetch_future_result_async`` is Serve's own
+    await of the assignment, in both Serve modes.)"""
+    try:
+        await asyncio.wait_for(asyncio.shield(response._fetch_future_result_async()), timeout_s)
     except asyncio.TimeoutError:
-        response.cancel()
+        if cancel:
+            response.cancel()
         raise Overloaded(f"no {deployment} replica took the request within {timeout_s:g} s (all busy, or none "
                          "running); retry later", retry_after_s=timeout_s) from None
 
@@ -103,7 +119,15 @@ class ServeBackend:
         stream = self.decode_handles[pool].options(stream=True).generate.remote(req)
         done = False
         try:
-            await _assigned(stream, f"decode-{pool}", t.queue_s)
+            try:
+                await _assigned(stream, f"decode-{pool}", t.queue_s, cancel=False)
+            except Overloaded:
+                # the client already has its first token: while a decode replica is live, the stream waits for
+                # it within the request's deadline instead of being shed; with none live it is a 503 now
+                if not _has_running_replica(f"decode-{pool}"):
+                    stream.cancel()
+                    raise
+                await _assigned(stream, f"decode-{pool}", max(t.prefill_s - t.queue_s, 0.001))
             while True:
                 try:
                     chunk = await asyncio.wait_for(stream.__anext__(), t.chunk_s)

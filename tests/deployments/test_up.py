@@ -15,30 +15,14 @@ import httpx
 import pytest
 
 from cache_service import find_free_port
+from tests.deployments.up_process import descendants
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                stat = Path(f"/proc/{d}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(d))
-    out, stack = [], [pid]
-    while stack:
-        for c in children.get(stack.pop(), []):
-            out.append(c)
-            stack.append(c)
-    return out
-
-
 def _serve_replica_environs(pid: int) -> list[dict[str, str]]:
     envs = []
-    for p in _descendants(pid):
+    for p in descendants(pid):
         try:
             if b"ServeReplica" not in Path(f"/proc/{p}/cmdline").read_bytes():
                 continue

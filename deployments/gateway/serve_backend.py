@@ -125,8 +125,7 @@ class ServeBackend:
                 # the client already has its first token: while a decode replica is live, the stream waits for
                 # it within the request's deadline instead of being shed; with none live it is a 503 now
                 if not _has_running_replica(f"decode-{pool}"):
-                    stream.cancel()
-                    raise
+                    raise  # the finally below cancels the stream
                 await _assigned(stream, f"decode-{pool}", max(t.prefill_s - t.queue_s, 0.001))
             while True:
                 try:

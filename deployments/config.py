@@ -22,6 +22,16 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class PriceConfig(_Strict):
+    """What a pool charges, USD per million tokens (``usage.cost`` and the usage ledger, see
+    docs/observability.md). Prompt tokens served from the cache are charged ``cached_input``, the
+    rest of the prompt ``input``."""
+
+    input: float = Field(0.60, ge=0, description="USD per million prompt tokens computed")
+    cached_input: float = Field(0.15, ge=0, description="USD per million prompt tokens served from cached state")
+    output: float = Field(2.50, ge=0, description="USD per million generated tokens")
+
+
 class PoolConfig(_Strict):
     """One service tier: its own prefill and decode deployments, batch caps and SLO targets."""
 
@@ -56,6 +66,8 @@ class PoolConfig(_Strict):
     stream_idle_timeout_s: float = Field(60.0, gt=0, description="longest a decode stream may go without a chunk "
                                          "once a replica took it; past it the replica is treated as failed and the "
                                          "stream fails over")
+    price: PriceConfig = Field(default_factory=PriceConfig, description="USD per million tokens: input, cached input, "
+                               "output")
 
     @model_validator(mode="after")
     def _gather(self) -> "PoolConfig":
@@ -96,6 +108,21 @@ class CacheConfig(_Strict):
     local_redis_maxmemory_mib: int = Field(512, gt=0, description="maxmemory of the redis-server `deltaserve up` starts (allkeys-lru)")
 
 
+class MetricsConfig(_Strict):
+    """Prometheus metrics (docs/observability.md): Ray's metrics agent exports them; `deltaserve up`
+    starts a local Prometheus that scrapes it."""
+
+    enabled: bool = Field(True, description="record the deltaserve_* metrics (off: every record call is a no-op)")
+    export_port: int = Field(8085, ge=0, le=65535, description="Ray's metrics export port on this node (the "
+                             "address Prometheus scrapes; `deltaserve up` passes it to Ray)")
+    prometheus: bool = Field(True, description="`deltaserve up` starts a local Prometheus (Debian's `prometheus`) "
+                             "scraping Ray, with ops/prometheus/rules loaded (--no-prometheus: off)")
+    prometheus_port: int = Field(9090, ge=0, le=65535, description="port of that Prometheus, on 127.0.0.1")
+    scrape_interval_s: float = Field(5.0, gt=0, description="how often that Prometheus scrapes Ray")
+    usage_export_s: float = Field(15.0, gt=0, description="how often the usage ledger (Redis) is exported as "
+                                  "deltaserve_tenant_* gauges")
+
+
 def _default_pools() -> dict[str, PoolConfig]:
     return {
         # standard: tokens in chunks of up to 100 ms (a quarter of its TPOT target) cut the per-chunk cost of the
@@ -106,9 +133,12 @@ def _default_pools() -> dict[str, PoolConfig]:
         # replica takes a burst in without decode steps competing for its CPU and GIL (serving.md, a).
         "standard": PoolConfig(max_num_seqs=32, max_num_batched_tokens=1024, ttft_slo_ms=4000, tpot_slo_ms=400,
                                stream_interval_ms=100, prefill_gather_wait_ms=100, prefill_gather_gap_ms=30,
-                               decode_gather_wait_ms=60, decode_gather_gap_ms=10),
+                               decode_gather_wait_ms=60, decode_gather_gap_ms=10,
+                               price=PriceConfig(input=0.60, cached_input=0.15, output=2.50)),
         "highspeed": PoolConfig(max_num_seqs=4, max_num_batched_tokens=256, ttft_slo_ms=1000, tpot_slo_ms=100,
-                                stream_interval_ms=20, request_timeout_s=300),
+                                stream_interval_ms=20, request_timeout_s=300,
+                                # the premium tier: fewer sequences per replica, so each token costs more hardware
+                                price=PriceConfig(input=2.40, cached_input=0.60, output=10.00)),
     }
 
 
@@ -137,6 +167,8 @@ class PlatformConfig(_Strict):
     tenants_file: str = Field("tenants.yaml", description="YAML tenants file (created with one dev tenant if missing)")
     trace_memory: bool = Field(False, description="keep finished spans in memory per replica (tests)")
     cache: CacheConfig = Field(default_factory=CacheConfig, description="prefix / KDA-state cache")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Prometheus metrics and the local "
+                                   "Prometheus")
     failover_attempts: int = Field(3, ge=0, description="times a stream whose decode replica died is resumed on another")
     ingress_max_ongoing_requests: int = Field(1024, gt=0, description="requests (open streams included) one ingress "
                                               "replica serves at once; Serve's proxy queues the rest")

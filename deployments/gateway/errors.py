@@ -179,6 +179,20 @@ def _serve_error(exc: BaseException) -> ApiError | None:
     return None
 
 
+def status_of(exc: BaseException) -> int:
+    """The HTTP status ``exc`` becomes for a client (what :func:`as_api_error` maps it to), without
+    logging: what metrics and usage count a failed request under. A cancelled request (the client
+    hung up) is 499, nginx's "client closed request"."""
+    if isinstance(exc, ApiError):
+        return exc.status
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        return 499
+    err = _serve_error(exc)
+    if err is not None:
+        return err.status
+    return 504 if isinstance(exc, (asyncio.TimeoutError, TimeoutError)) else 500
+
+
 def as_api_error(exc: BaseException, request_id: str = "") -> ApiError:
     """``exc`` as a client may see it. Anything that is not already an :class:`ApiError` is
     logged here, once, with ``request_id`` and its traceback, and becomes a 5xx whose message

@@ -37,14 +37,45 @@ from deployments.engine.sequence import TokenLogprob
 from deployments.observability import tracing
 from deployments.gateway.protocol import (DEFAULT_REQUEST_TIMEOUT_S, HIGHSPEED_SUFFIX, SEED_MAX, SEED_MIN, CompletionInput,
                                           Finished, ModelCard, RequestLimits, TextDelta, TokenAlternative, TokenLogprobs,
-                                          Usage)
+                                          Usage, total_usage)
 from deployments.gateway.errors import (BadRequest, BadRequestError, DeadlineExceeded, HandoffLost, ModelNotFound,
-                                        ReplicaFailed, Unavailable, log)
+                                        ReplicaFailed, Unavailable, log, status_of)
 from deployments.workers.messages import DecodeChunk, DecodeRequest, PrefillRequest, PrefillResult
 from deployments.workers.replica import stop_token_ids
 from deployments.tenancy import RateLimiter, Tenant, TenantRegistry, UsageCounter, check_pool
 
 ROLES = ("system", "user", "assistant")
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What one request did, handed to every observer when it ends (served or failed): the
+    metrics (:mod:`deployments.observability.request_metrics`) and the usage ledger read it.
+    ``tenant``/``pool``/``model`` are "" when the request failed before they were known."""
+
+    request_id: str
+    tenant: str = ""
+    pool: str = ""
+    model: str = ""
+    task_id: str | None = None
+    code: int = 200  # HTTP status the client got (an error after the first byte: that error's)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: float | None = None  # None: no token was produced
+    tpot_s: float | None = None  # mean time per output token after the first (None: < 2 tokens)
+    e2e_s: float = 0.0
+    queue_s: float | None = None  # arrival -> a prefill replica took it
+    failovers: int = 0
+    replayed_tokens: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.code < 400
+
+
+class RequestObserver(Protocol):
+    def request_done(self, record: RequestRecord) -> None: ...
 
 
 class Backend(Protocol):
@@ -96,6 +127,7 @@ class Frontend:
         failover_attempts: int = 3,
         request_timeout_s: Mapping[str, float] | None = None,
         limits: RequestLimits | None = None,
+        observers: list[RequestObserver] | None = None,
     ) -> None:
         """``request_timeout_s``: each pool's end-to-end deadline, seconds (a pool not named:
         :data:`~deployments.gateway.protocol.DEFAULT_REQUEST_TIMEOUT_S`)."""
@@ -112,6 +144,15 @@ class Frontend:
         self.limits = limits or RequestLimits()
         self.created = int(time.time())  # the model cards' ``created``
         self.failovers = 0  # streams resumed on another replica
+        self.observers: list[RequestObserver] = list(observers or [])
+
+    def _observe(self, record: RequestRecord) -> None:
+        """Hand ``record`` to every observer; an observer that fails is logged, never the request's error."""
+        for obs in self.observers:
+            try:
+                obs.request_done(record)
+            except Exception:  # noqa: BLE001 - observability must not fail a request
+                log.exception("request %s: observer %s failed", record.request_id, type(obs).__name__)
 
     # -- models ------------------------------------------------------------------
     def model_ids(self) -> dict[str, str]:
@@ -246,7 +287,14 @@ class Frontend:
         event and every log line of the request carries it."""
         t0 = time.monotonic()
         request_id = request_id or f"cmpl-{uuid.uuid4().hex[:24]}"
-        plan, reservation = await self._plan(api_key, inp, request_id, t0)
+        record = RequestRecord(request_id, model=inp.model, task_id=inp.task_id)
+        try:
+            plan, reservation = await self._plan(api_key, inp, request_id, t0)
+        except BaseException as e:
+            record.code, record.e2e_s = status_of(e), time.monotonic() - t0
+            self._observe(record)
+            raise
+        record.tenant, record.pool, record.prompt_tokens = plan.tenant.name, plan.pool, len(plan.ids)
         span = tracing.tracer().start_span("ingress", attributes={
             "deltaserve.tenant": plan.tenant.name, "deltaserve.pool": plan.pool, "deltaserve.model": inp.model,
             "deltaserve.request_id": request_id, "deltaserve.prompt_tokens": len(plan.ids), "deltaserve.n": inp.n,
@@ -256,21 +304,34 @@ class Frontend:
         produced = [0] * inp.n  # output tokens of each choice so far
         accounted = False
         try:
-            choices = [self._choice(inp, plan, i, carrier, span, produced, t0) for i in range(inp.n)]
+            choices = [self._choice(inp, plan, i, carrier, span, produced, t0, record) for i in range(inp.n)]
             async for ev in choices[0] if inp.n == 1 else _merge(choices):
                 if isinstance(ev, Finished):
                     finished.append(ev)
                     if len(finished) == inp.n:  # before the last event: a client may stop reading after it
                         self._account(plan, inp.n, reservation, span, finished)
                         accounted = True
+                        self._finish_record(record, finished)
+                        self._observe(record)
                 yield ev
-        except BaseException:
+        except BaseException as e:
             if not accounted:
                 self.usage.record(plan.tenant.name, prompt_tokens=len(plan.ids), completion_tokens=sum(produced), error=True)
                 self.limiter.refund(plan.tenant, max(0, inp.n * plan.max_tokens - sum(produced)), reservation)
+                record.code, record.completion_tokens = status_of(e), sum(produced)
+                record.e2e_s = time.monotonic() - t0
+                self._observe(record)
             raise
         finally:
             span.end()
+
+    @staticmethod
+    def _finish_record(record: RequestRecord, finished: list[Finished]) -> None:
+        u = total_usage(finished)
+        record.cached_tokens, record.completion_tokens = u.cached_tokens, u.completion_tokens
+        record.ttft_s, record.e2e_s = u.time_to_first_token_s, u.end_to_end_s
+        if u.completion_tokens > len(finished) and u.output_tokens_per_s > 0:
+            record.tpot_s = 1.0 / u.output_tokens_per_s
 
     def _account(self, plan: _Plan, n: int, reservation: int, span, finished: list[Finished]) -> None:
         """A served request: refund the unused reservation, count usage, finish the span's attributes."""
@@ -312,7 +373,7 @@ class Frontend:
         return tuple(out)
 
     async def _choice(self, inp: CompletionInput, plan: _Plan, index: int, carrier: dict, span, produced: list[int],
-                      t0: float) -> AsyncIterator[TextDelta | Finished]:
+                      t0: float, record: RequestRecord) -> AsyncIterator[TextDelta | Finished]:
         """One choice of the request, with failover, inside the request's deadline."""
         ids, rid, n_prompt = plan.ids, plan.request_id, len(plan.ids)
         n_out, t_first, replica, reason, cached = 0, None, "", "length", None
@@ -326,6 +387,8 @@ class Frontend:
                                   replay_ids=tuple(emitted), checkpoint_at=plan.checkpoint_at)
             try:
                 result = await self._hop(plan, self.backend.prefill(plan.pool, preq))
+                if record.queue_s is None and result.queue_s is not None:
+                    record.queue_s = result.queue_s
                 cached = result.cached_tokens if cached is None else cached
                 first_lp = self._logprobs((result.first_logprob,)) if want_lp and result.first_logprob else ()
                 if result.finished:
@@ -370,6 +433,8 @@ class Frontend:
                 if failures > self.failover_attempts:
                     raise Unavailable(f"request {rid} failed on {failures} replicas; retry later") from e
                 self.failovers += 1
+                record.failovers += 1
+                record.replayed_tokens += len(emitted)
                 await asyncio.sleep(min(0.1 * failures, self._remaining(plan)))  # let Serve notice a dead replica
         cached = cached or 0
         t_end = time.monotonic()

@@ -50,6 +50,7 @@ class CompletionInput:
     seed: int | None = None  # int64; choice i uses seed + i
     stop: tuple[str, ...] = ()
     session_id: str | None = None  # x-session-id: names a conversation for cache resume
+    task_id: str | None = None  # x-task-id: groups requests into a task whose outcome the client reports
     cache_salt: str | None = None  # a client's own cache salt: narrows sharing within its tenant, never widens it
     ignore_eos: bool = False
     n: int = 1  # choices, decoded concurrently

@@ -44,6 +44,7 @@ class PrefillResult:
     replica: str
     prefill_s: float  # seconds spent in the prefill replica
     first_logprob: TokenLogprob | None = None  # first_token's logprob when the request asks for logprobs (else None)
+    queue_s: float | None = None  # seconds the request waited in the prefill replica before its first step
 
 
 @dataclass(frozen=True, slots=True)

@@ -137,8 +137,21 @@ def enabled() -> bool:
 
 
 def add_buckets(name: str, boundaries: Iterable[float]) -> None:
-    """Add bucket boundaries (a pool's SLO targets) to histogram ``name`` before it is first recorded."""
-    _extra_buckets[name] = latency_buckets(_extra_buckets.get(name, ()), boundaries)
+    """Add bucket boundaries (a pool's SLO targets) to histogram ``name`` before it is first recorded
+    in this process (ValueError after: Ray fixes a histogram's boundaries when it creates it)."""
+    spec = CATALOG.get(name)
+    if spec is None or spec.kind != "histogram":
+        raise ValueError(f"{name!r} is not a histogram of the catalog")
+    merged = latency_buckets(_extra_buckets.get(name, ()), boundaries)
+    if name in _live and not set(merged) <= set(buckets(name)):
+        raise ValueError(f"histogram {name} is already recorded with buckets {buckets(name)}; "
+                         f"cannot add {sorted(set(merged) - set(buckets(name)))}")
+    _extra_buckets[name] = merged
+
+
+def buckets(name: str) -> tuple[float, ...]:
+    """The bucket boundaries histogram ``name`` is (or will be) created with: the catalog's and the added ones."""
+    return latency_buckets(CATALOG[name].buckets, _extra_buckets.get(name, ()))
 
 
 def _in_ray() -> bool:
@@ -163,8 +176,7 @@ def _metric(spec: Spec):
             elif spec.kind == "gauge":
                 m = serve_metrics.Gauge(spec.name, description=spec.help, tag_keys=spec.labels)
             else:
-                buckets = latency_buckets(spec.buckets, _extra_buckets.get(spec.name, ()))
-                m = serve_metrics.Histogram(spec.name, description=spec.help, boundaries=list(buckets),
+                m = serve_metrics.Histogram(spec.name, description=spec.help, boundaries=list(buckets(spec.name)),
                                             tag_keys=spec.labels)
             _live[spec.name] = m
     return m
@@ -190,7 +202,10 @@ def _record(name: str, value: float, labels: dict[str, str], op: str) -> None:
         else:
             m.observe(value, tags=tags)
         return
-    key = (name, tuple(sorted(tags.items())))
+    _record_local((name, tuple(sorted(tags.items()))), value, op)
+
+
+def _record_local(key: tuple[str, tuple[tuple[str, str], ...]], value: float, op: str) -> None:
     with _lock:
         vals = _local.setdefault(key, [])
         if op == "inc":
@@ -199,6 +214,49 @@ def _record(name: str, value: float, labels: dict[str, str], op: str) -> None:
             vals[:] = [value]
         else:
             vals.append(value)
+
+
+class Bound:
+    """One metric with its labels fixed: the hot path (an engine step, an expert-pool call). The labels
+    are checked once, here; each call then costs one enabled test and one record, no dict building."""
+
+    __slots__ = ("spec", "tags", "_key")
+
+    def __init__(self, name: str, labels: dict[str, str]) -> None:
+        if name not in CATALOG:
+            raise KeyError(f"no metric {name!r} in the catalog")
+        self.spec = CATALOG[name]
+        self.tags = _check(self.spec, labels)
+        self._key = (name, tuple(sorted(self.tags.items())))
+
+    def _record(self, value: float, op: str) -> None:
+        if _in_ray():
+            m = _metric(self.spec)
+            if op == "inc":
+                m.inc(value, tags=self.tags)
+            elif op == "set":
+                m.set(value, tags=self.tags)
+            else:
+                m.observe(value, tags=self.tags)
+            return
+        _record_local(self._key, value, op)
+
+    def inc(self, value: float = 1.0) -> None:
+        if _enabled and value:
+            self._record(value, "inc")
+
+    def set(self, value: float) -> None:
+        if _enabled:
+            self._record(value, "set")
+
+    def observe(self, value: float) -> None:
+        if _enabled:
+            self._record(value, "observe")
+
+
+def bind(name: str, **labels: str) -> Bound:
+    """``name`` with ``labels`` fixed (checked now: ValueError names the metric and its labels)."""
+    return Bound(name, labels)
 
 
 def inc(name: str, value: float = 1.0, **labels: str) -> None:

@@ -5,7 +5,7 @@ handoff, and its asyncio front. No Ray here: the Serve deployments wrap these cl
 """
 
 from .async_engine import AsyncEngine
-from .engine import Engine, EngineConfig, EngineStats
+from .engine import Engine, EngineConfig, EngineStats, StepStats
 from .errors import EngineBroken, EngineStepError
 from .scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from .sequence import (
@@ -36,5 +36,6 @@ __all__ = [
     "SchedulerOutput",
     "Sequence",
     "SequenceStatus",
+    "StepStats",
     "TokenLogprob",
 ]

@@ -24,6 +24,7 @@ engine is broken (:attr:`Engine.broken`): every later step raises
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -79,9 +80,26 @@ class EngineStats:
     step_cpu_s: float = 0.0  # CPU seconds of the stepping thread in them (less than step_s: preempted or waiting)
 
 
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """One step that ran a forward, as :attr:`Engine.on_step` receives it (after the step's outputs are made)."""
+
+    kind: str  # "prefill" (prompt tokens only), "decode" (tokens after the prompt only) or "mixed"
+    batch_size: int  # sequences in the step
+    prefill_tokens: int  # prompt tokens computed (EngineStats.prompt_tokens_computed's share of the step)
+    decode_tokens: int  # tokens fed after the prompt, replayed output included (EngineStats.decode_tokens' share)
+    seconds: float  # wall time of the step (schedule, forward, sampling)
+
+
 class Engine:
     """Continuous batching over one :class:`ModelRunner`. Not thread-safe: one caller at a
-    time (:class:`~deployments.engine.async_engine.AsyncEngine` serialises its calls)."""
+    time (:class:`~deployments.engine.async_engine.AsyncEngine` serialises its calls).
+
+    ``on_step``: called with each successful step's :class:`StepStats` on the stepping thread (the
+    replica's metrics); it must be quick and not call back into the engine. An exception it raises
+    propagates out of :meth:`step` after the step's accounting is done."""
+
+    on_step: Callable[[StepStats], None] | None = None
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig) -> None:
         if runner.pool.num_slots != config.num_slots:
@@ -229,15 +247,22 @@ class Engine:
             raise self._break(f"scheduling raised {e!r}") from e
         if batch is None:
             return outputs
+        prompt_before, decode_before = self.stats.prompt_tokens_computed, self.stats.decode_tokens
         try:
             logits = self.runner.step(batch.slots, batch.token_chunks)
-            self._postprocess(batch, logits, outputs)
+            self._postprocess(batch, logits, outputs, t)
         except Exception as e:
             self._outputs = outputs + self._outputs
             raise self._fail_step(batch, e) from e
         self.consecutive_failed_steps = 0
-        self.stats.step_s += time.perf_counter() - t
+        elapsed = time.perf_counter() - t
+        self.stats.step_s += elapsed
         self.stats.step_cpu_s += time.thread_time() - c
+        if self.on_step is not None:
+            prefill = self.stats.prompt_tokens_computed - prompt_before
+            decode = self.stats.decode_tokens - decode_before
+            kind = "mixed" if prefill and decode else "prefill" if prefill else "decode"
+            self.on_step(StepStats(kind, len(batch.chunks), prefill, decode, elapsed))
         return outputs
 
     def has_unfinished(self) -> bool:
@@ -279,9 +304,10 @@ class Engine:
         self.broken = EngineBroken(f"engine broken: {reason}")
         return self.broken
 
-    def _postprocess(self, batch: SchedulerOutput, logits: torch.Tensor, outputs: list[RequestOutput]) -> None:
-        """Account for a step's forward, sample, and append each request's output to ``outputs``
-        (as they are made: a failure part-way keeps those already made)."""
+    def _postprocess(self, batch: SchedulerOutput, logits: torch.Tensor, outputs: list[RequestOutput],
+                     started: float) -> None:
+        """Account for a step's forward (begun at ``started``, perf_counter), sample, and append each
+        request's output to ``outputs`` (as they are made: a failure part-way keeps those already made)."""
         self.stats.steps += 1
         self.stats.preemptions += len(batch.preempted)
         self.stats.restores += len(batch.restored)
@@ -292,6 +318,8 @@ class Engine:
             self.stats.prompt_tokens_computed += from_prompt
             self.stats.decode_tokens += n - from_prompt
             seq.num_computed += n
+            if seq.first_step_at is None:
+                seq.first_step_at = started
             if seq.checkpoint_plan is not None:
                 self._checkpoint(seq)
             if seq.num_uncomputed == 0:

@@ -131,6 +131,7 @@ class RequestOutput:
     state: SequenceState | None = None  # final output with keep_state_on_finish: the state after the computed tokens (host memory)
     checkpoints: list[Checkpoint] = field(default_factory=list)  # cut since the previous output (CheckpointPlan), oldest first
     new_logprobs: tuple[TokenLogprob, ...] = ()  # one per new_token_ids entry when the request asks for logprobs, else ()
+    first_step_at: float | None = None  # time.perf_counter() when the first step that computed it began (None: none did)
 
 
 def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
@@ -149,6 +150,7 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
         state=b.state,
         checkpoints=a.checkpoints + b.checkpoints,
         new_logprobs=a.new_logprobs + b.new_logprobs,
+        first_step_at=a.first_step_at if a.first_step_at is not None else b.first_step_at,
     )
 
 
@@ -324,6 +326,7 @@ class Sequence:
         self.kda_checkpointed = 0  # position of the latest KDA checkpoint reported (or restored)
         self.held_kda: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None  # decode-time boundary state not reported yet
         self.pending_checkpoints: list[Checkpoint] = []
+        self.first_step_at: float | None = None  # time.perf_counter() when the first step that computed it began
         if replay_ids:
             self._replay(list(replay_ids))
         self.num_known_at_start = self.num_tokens  # prompt + replayed output: what a prefill computes
@@ -476,6 +479,7 @@ class Sequence:
             state=state,
             checkpoints=self.pending_checkpoints,
             new_logprobs=tuple(self.logprobs[self._emitted_tokens :]) if self.logprobs is not None else (),  # type: ignore[arg-type]
+            first_step_at=self.first_step_at,
         )
         self.pending_checkpoints = []
         self._emitted_tokens, self._emitted_chars = len(self.output_ids), end

@@ -13,6 +13,9 @@ import torch
 from model.layers.moe import SparseMoE
 
 from deployments.experts.transport import ExpertClient, RemoteExpertError, TransportError
+from deployments.observability import metrics
+
+SHARD_COUNTS = ("direct_calls", "handle_calls", "bytes_sent", "bytes_received", "fallbacks")
 
 
 class ExpertPoolClient:
@@ -27,13 +30,18 @@ class ExpertPoolClient:
     replica; if that fails too, the call goes through the handle (no request is lost) and the shard
     stays on the handle path for :attr:`RETRY_DIRECT_AFTER_S`. An error the shard raises is raised
     here, naming shard and layer. Thread-safe: each connection's lock is taken in shard order.
+
+    Per shard it counts calls by transport, tensor bytes sent and received, and fallbacks
+    (:meth:`shard_stats`; the replica's metrics export them), and records each call's latency
+    (``deltaserve_expert_call_seconds{pool, shard}``: send to reply, one observation per shard and
+    MoE layer call). ``pool``: the caller's pool, the metrics' label.
     """
 
     RETRY_DIRECT_AFTER_S = 5.0
     PROBES = 4
 
     def __init__(self, shards: list, *, transport: str = "direct", timeout_s: float = 30.0,
-                 tls: ssl.SSLContext | None = None, discovery_s: float = 30.0) -> None:
+                 tls: ssl.SSLContext | None = None, discovery_s: float = 30.0, pool: str = "") -> None:
         if transport not in ("direct", "handle"):
             raise ValueError(f"transport must be 'direct' or 'handle', got {transport!r}")
         if not discovery_s > 0:
@@ -50,6 +58,8 @@ class ExpertPoolClient:
         # layer_calls / tokens / dispatch_s: MoE layer calls, the tokens they sent, wall seconds inside run()
         self.counts = {"direct_calls": 0, "handle_calls": 0, "reconnects": 0, "fallbacks": 0,
                        "layer_calls": 0, "tokens": 0, "dispatch_s": 0.0}
+        self._shard_counts = [dict.fromkeys(SHARD_COUNTS, 0) for _ in shards]
+        self._latency = [metrics.bind("deltaserve_expert_call_seconds", pool=pool, shard=str(s)) for s in range(len(shards))]
 
     def run(self, layer: int, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Σ over shards of their experts' weighted outputs: x [T, D], idx [T, k], w [T, k] → [T, D] in x's dtype."""
@@ -71,8 +81,11 @@ class ExpertPoolClient:
         for s, rows, xs, sub_idx, sub_w in parts:
             y = got.get(s)
             if y is None:
+                t = time.perf_counter()
                 y = self.shards[s].run.remote(layer, xs, sub_idx, sub_w).result().to("cpu", torch.float32)
+                self._latency[s].observe(time.perf_counter() - t)
                 self._count("handle_calls")
+                self._count_shard(s, "handle_calls", xs, sub_idx, sub_w, y)
             out.index_add_(0, rows, y)
         return out.to(x.device, x.dtype)
 
@@ -81,6 +94,12 @@ class ExpertPoolClient:
             counts = dict(self.counts)
         return {"transport": self.transport, "shards": len(self.shards),
                 "replicas": [len(c) for c in self._conns], **counts}
+
+    def shard_stats(self) -> list[dict[str, int]]:
+        """Per shard, since the start: ``direct_calls``, ``handle_calls``, ``bytes_sent``,
+        ``bytes_received`` (tensor payload bytes) and ``fallbacks`` (direct calls that fell back to the handle)."""
+        with self._stats_lock:
+            return [dict(c) for c in self._shard_counts]
 
     def close(self) -> None:
         self._stop.set()
@@ -101,15 +120,18 @@ class ExpertPoolClient:
                 try:
                     conn = self._pick(s)
                     held.enter_context(conn.lock)
+                    t = time.perf_counter()
                     conn.send(layer, xs, sub_idx, sub_w)
-                    sent.append((s, conn, xs))
+                    sent.append((s, conn, xs, sub_idx, sub_w, t))
                 except TransportError:
                     if conn is not None:
                         self._drop(s, conn)
             error = None
-            for s, conn, xs in sent:
+            for s, conn, xs, sub_idx, sub_w, t in sent:
                 try:
                     got[s] = conn.recv(*xs.shape)
+                    self._latency[s].observe(time.perf_counter() - t)
+                    self._count_shard(s, "direct_calls", xs, sub_idx, sub_w, got[s])
                 except RemoteExpertError as e:  # keep reading the other replies: their connections stay in sync
                     error = error or RemoteExpertError(f"expert-pool shard {s} failed on layer {layer}: {e}")
                 except TransportError:
@@ -123,8 +145,11 @@ class ExpertPoolClient:
             try:  # another replica, or one resolved again: the replica may have moved
                 conn = self._pick(s)
                 with conn.lock:
+                    t = time.perf_counter()
                     conn.send(layer, xs, sub_idx, sub_w)
                     got[s] = conn.recv(*xs.shape)
+                self._latency[s].observe(time.perf_counter() - t)
+                self._count_shard(s, "direct_calls", xs, sub_idx, sub_w, got[s])
                 self._count("reconnects")
             except RemoteExpertError as e:
                 raise RemoteExpertError(f"expert-pool shard {s} failed on layer {layer}: {e}") from None
@@ -133,6 +158,8 @@ class ExpertPoolClient:
                     self._drop(s, conn)
                 self._down_until[s] = time.monotonic() + self.RETRY_DIRECT_AFTER_S
                 self._count("fallbacks")
+                with self._stats_lock:
+                    self._shard_counts[s]["fallbacks"] += 1
         self._count("direct_calls", len(got))
         return got
 
@@ -199,6 +226,14 @@ class ExpertPoolClient:
         with self._stats_lock:
             self.counts[key] += n
 
+    def _count_shard(self, s: int, calls: str, xs: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
+        """One answered call of shard ``s`` over ``calls`` (direct_calls|handle_calls), with its payload bytes."""
+        with self._stats_lock:
+            c = self._shard_counts[s]
+            c[calls] += 1
+            c["bytes_sent"] += xs.nbytes + idx.nbytes + w.nbytes
+            c["bytes_received"] += y.nbytes
+
 
 def shard_parts(idx: torch.Tensor, w: torch.Tensor, num_shards: int) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(shard, rows, idx [n, k], w [n, k]) per shard owning one of the rows' experts.
@@ -233,13 +268,13 @@ class RemoteExperts:
 
 
 def attach_expert_pool(model, shards: list, *, transport: str = "direct", timeout_s: float = 30.0,
-                       tls: ssl.SSLContext | None = None, discovery_s: float = 30.0) -> ExpertPoolClient:
+                       tls: ssl.SSLContext | None = None, discovery_s: float = 30.0, pool: str = "") -> ExpertPoolClient:
     """Route every MoE layer's experts of ``model`` to the shard deployments (handles); one
     :class:`ExpertPoolClient` (connections to every replica of each shard) serves all layers."""
-    pool = ExpertPoolClient(shards, transport=transport, timeout_s=timeout_s, tls=tls, discovery_s=discovery_s)
+    client = ExpertPoolClient(shards, transport=transport, timeout_s=timeout_s, tls=tls, discovery_s=discovery_s, pool=pool)
     for i, layer in enumerate(model.model.layers):
         moe = getattr(layer, "block_sparse_moe", None)
         if isinstance(moe, SparseMoE):
-            moe.expert_fn = RemoteExperts(pool, i)
+            moe.expert_fn = RemoteExperts(client, i)
             moe.experts = torch.nn.ModuleList()  # the replica no longer holds routed experts
-    return pool
+    return client

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -43,6 +44,9 @@ from deployments.gateway.errors import (BadRequest, BadRequestError, DeadlineExc
 from deployments.workers.messages import DecodeChunk, DecodeRequest, PrefillRequest, PrefillResult
 from deployments.workers.replica import stop_token_ids
 from deployments.tenancy import RateLimiter, Tenant, TenantRegistry, UsageCounter, check_pool
+from deployments.tenancy.pricing import NO_COST, Cost, Price
+
+TASK_ID_RE = re.compile(r"[A-Za-z0-9._~:-]+")  # x-task-id: URL-safe, so it is also the path of POST /v1/tasks/{task_id}
 
 ROLES = ("system", "user", "assistant")
 
@@ -68,6 +72,7 @@ class RequestRecord:
     queue_s: float | None = None  # arrival -> a prefill replica took it
     failovers: int = 0
     replayed_tokens: int = 0
+    cost: Cost = NO_COST  # what the tenant is charged (a failed request: Frontend._failed_cost)
 
     @property
     def ok(self) -> bool:
@@ -112,6 +117,14 @@ def _utf8_len(text: str, param: str) -> int:
         raise BadRequest(f"{param} is not valid Unicode text (a lone surrogate at character {e.start})", param=param) from None
 
 
+def check_task_id(task_id: str, limits: RequestLimits, param: str) -> None:
+    """A task id a client sends (``x-task-id``, gRPC ``task_id``, the path of ``POST /v1/tasks/{task_id}``):
+    1 to ``max_id_chars`` characters of ``A-Z a-z 0-9 . _ ~ : -``; else a 400 naming ``param``."""
+    if not (len(task_id) <= limits.max_id_chars and TASK_ID_RE.fullmatch(task_id)):
+        raise BadRequest(f"{param} must be 1 to {limits.max_id_chars} characters of A-Z a-z 0-9 . _ ~ : -, got "
+                         f"{task_id[:40]!r} ({len(task_id)} characters)", param=param)
+
+
 class Frontend:
     def __init__(
         self,
@@ -128,9 +141,11 @@ class Frontend:
         request_timeout_s: Mapping[str, float] | None = None,
         limits: RequestLimits | None = None,
         observers: list[RequestObserver] | None = None,
+        prices: Mapping[str, Price] | None = None,
     ) -> None:
         """``request_timeout_s``: each pool's end-to-end deadline, seconds (a pool not named:
-        :data:`~deployments.gateway.protocol.DEFAULT_REQUEST_TIMEOUT_S`)."""
+        :data:`~deployments.gateway.protocol.DEFAULT_REQUEST_TIMEOUT_S`). ``prices``: each pool's
+        price table (``usage.cost``); a pool not named is not priced (no ``cost`` in its usage)."""
         self.model_name = model_name
         self.pools = list(pools)
         self.tokenizer = tokenizer
@@ -145,6 +160,7 @@ class Frontend:
         self.created = int(time.time())  # the model cards' ``created``
         self.failovers = 0  # streams resumed on another replica
         self.observers: list[RequestObserver] = list(observers or [])
+        self.prices: dict[str, Price] = dict(prices or {})
 
     def _observe(self, record: RequestRecord) -> None:
         """Hand ``record`` to every observer; an observer that fails is logged, never the request's error."""
@@ -212,6 +228,8 @@ class Frontend:
                                                and all(" " <= c <= "~" for c in inp.session_id)):
             raise BadRequest(f"x-session-id must be 1 to {lim.max_id_chars} printable ASCII characters, got "
                              f"{inp.session_id[:40]!r} ({len(inp.session_id)} characters)", param="x-session-id")
+        if inp.task_id is not None:
+            check_task_id(inp.task_id, lim, "x-task-id")
         if inp.cache_salt is not None and not 1 <= len(inp.cache_salt) <= lim.max_id_chars:
             raise BadRequest(f"cache_salt must be 1 to {lim.max_id_chars} characters, got {len(inp.cache_salt)}",
                              param="cache_salt")
@@ -251,11 +269,15 @@ class Frontend:
         one tenant that share a system prompt then share a cache checkpoint there."""
         return self._encode(inp)[1]
 
-    async def _plan(self, api_key: str | None, inp: CompletionInput, request_id: str, t0: float) -> tuple[_Plan, int]:
-        """Authenticate, validate and admit (every error raises here); (plan, limiter reservation)."""
+    async def _plan(self, api_key: str | None, inp: CompletionInput, request_id: str, t0: float,
+                    record: RequestRecord) -> tuple[_Plan, int]:
+        """Authenticate, validate and admit (every error raises here); (plan, limiter reservation).
+        ``record`` gets the tenant and pool as soon as they are known (a later error is labelled with them)."""
         self.registry.reload_if_changed()
         tenant = self.registry.authenticate(api_key)
+        record.tenant = tenant.name
         pool = self.resolve(inp.model)
+        record.pool = pool
         check_pool(tenant, pool)
         self._check_shape(inp)
         ids, checkpoint_at = await asyncio.to_thread(self._encode, inp)
@@ -273,33 +295,36 @@ class Frontend:
                                       presence_penalty=inp.presence_penalty, frequency_penalty=inp.frequency_penalty,
                                       logprobs=inp.logprobs) for s in seeds)
         stop_ids = () if inp.ignore_eos else stop_token_ids(self.tokenizer, chat=inp.messages is not None)
-        reservation = self.limiter.acquire(tenant, len(ids) + inp.n * max_tokens)
+        reservation = self.limiter.acquire(tenant, len(ids) + inp.n * max_tokens, pool=pool)
         timeout = self.timeout_s(pool)
         return _Plan(request_id, tenant, pool, tuple(ids), max_tokens, params, stop_ids, checkpoint_at,
                      t0 + timeout, timeout), reservation
 
     # -- completions ---------------------------------------------------------------
-    async def complete(self, api_key: str | None, inp: CompletionInput,
-                       request_id: str | None = None) -> AsyncIterator[TextDelta | Finished]:
+    async def complete(self, api_key: str | None, inp: CompletionInput, request_id: str | None = None, *,
+                       trace_parent: Mapping[str, str] | None = None) -> AsyncIterator[TextDelta | Finished]:
         """Validate and admit (errors raise before the first event), then stream the completion:
         the events of ``inp.n`` choices, interleaved, each choice ending with its :class:`Finished`.
         ``request_id``: the id the ingress already shows the client (generated when None); every
-        event and every log line of the request carries it."""
+        event and every log line of the request carries it. ``trace_parent``: the client's W3C trace
+        context (:func:`~deployments.observability.tracing.client_carrier`), the parent of the
+        request's ``ingress`` span (which ends, served or failed, with the request)."""
         t0 = time.monotonic()
         request_id = request_id or f"cmpl-{uuid.uuid4().hex[:24]}"
         record = RequestRecord(request_id, model=inp.model, task_id=inp.task_id)
+        span = tracing.start_request(request_id, inp.model, trace_parent, **{"deltaserve.n": inp.n,
+                                                                              "deltaserve.user": inp.user})
         try:
-            plan, reservation = await self._plan(api_key, inp, request_id, t0)
+            plan, reservation = await self._plan(api_key, inp, request_id, t0, record)
         except BaseException as e:
             record.code, record.e2e_s = status_of(e), time.monotonic() - t0
             self._observe(record)
+            tracing.end_request(span, record, e, request_id)
             raise
         record.tenant, record.pool, record.prompt_tokens = plan.tenant.name, plan.pool, len(plan.ids)
-        span = tracing.tracer().start_span("ingress", attributes={
-            "deltaserve.tenant": plan.tenant.name, "deltaserve.pool": plan.pool, "deltaserve.model": inp.model,
-            "deltaserve.request_id": request_id, "deltaserve.prompt_tokens": len(plan.ids), "deltaserve.n": inp.n,
-            "deltaserve.user": inp.user or ""})
+        span.set_attributes(tracing.request_attributes(record))
         carrier = tracing.carrier_of(span)
+        failure: BaseException | None = None
         finished: list[Finished] = []
         produced = [0] * inp.n  # output tokens of each choice so far
         accounted = False
@@ -316,19 +341,31 @@ class Frontend:
                 yield ev
         except BaseException as e:
             if not accounted:
+                failure = e
                 self.usage.record(plan.tenant.name, prompt_tokens=len(plan.ids), completion_tokens=sum(produced), error=True)
                 self.limiter.refund(plan.tenant, max(0, inp.n * plan.max_tokens - sum(produced)), reservation)
                 record.code, record.completion_tokens = status_of(e), sum(produced)
                 record.e2e_s = time.monotonic() - t0
+                record.cost = self._failed_cost(plan, record)
                 self._observe(record)
             raise
         finally:
-            span.end()
+            tracing.end_request(span, record, failure, request_id)
+
+    def _failed_cost(self, plan: _Plan, record: RequestRecord) -> Cost:
+        """A failed request is charged for what it consumed once its prefill ran (it produced a token):
+        its prompt (cached tokens at the cached price) and the output tokens produced; one that failed
+        before its first token is not charged."""
+        price = self.prices.get(plan.pool)
+        if price is None or record.completion_tokens == 0:
+            return NO_COST
+        return price.cost(record.prompt_tokens, min(record.cached_tokens, record.prompt_tokens), record.completion_tokens)
 
     @staticmethod
     def _finish_record(record: RequestRecord, finished: list[Finished]) -> None:
         u = total_usage(finished)
         record.cached_tokens, record.completion_tokens = u.cached_tokens, u.completion_tokens
+        record.cost = u.cost or NO_COST
         record.ttft_s, record.e2e_s = u.time_to_first_token_s, u.end_to_end_s
         if u.completion_tokens > len(finished) and u.output_tokens_per_s > 0:
             record.tpot_s = 1.0 / u.output_tokens_per_s
@@ -388,8 +425,11 @@ class Frontend:
             try:
                 result = await self._hop(plan, self.backend.prefill(plan.pool, preq))
                 if record.queue_s is None and result.queue_s is not None:
-                    record.queue_s = result.queue_s
+                    # arrival -> the replica's first step with it: all but the replica's time after that step began
+                    record.queue_s = max(0.0, time.monotonic() - t0 - (result.prefill_s - result.queue_s))
                 cached = result.cached_tokens if cached is None else cached
+                if index == 0:
+                    record.cached_tokens = cached  # what a failure is charged at (total_usage counts choice 0's)
                 first_lp = self._logprobs((result.first_logprob,)) if want_lp and result.first_logprob else ()
                 if result.finished:
                     t_first = t_first or time.monotonic()
@@ -428,7 +468,8 @@ class Frontend:
             except (ReplicaFailed, HandoffLost) as e:
                 failures += 1
                 span.add_event("failover", {"deltaserve.error": str(e)[:200], "deltaserve.delivered_tokens": len(emitted),
-                                            "deltaserve.choice": index})
+                                            "deltaserve.choice": index, "deltaserve.attempt": failures,
+                                            "deltaserve.last_replica": replica})
                 log.warning("request %s choice %d: failover %d after %d tokens: %s", rid, index, failures, len(emitted), e)
                 if failures > self.failover_attempts:
                     raise Unavailable(f"request {rid} failed on {failures} replicas; retry later") from e
@@ -446,6 +487,7 @@ class Frontend:
             time_to_first_token_s=t_first - t0,
             output_tokens_per_s=(n_out - 1) / (t_end - t_first) if n_out > 1 and t_end > t_first else 0.0,
             end_to_end_s=t_end - t0,
+            price=self.prices.get(plan.pool),
         )
         yield Finished(reason, usage, inp.model, plan.pool, replica, rid, index=index)
 

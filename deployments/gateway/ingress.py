@@ -12,8 +12,11 @@ from deployments.gateway.frontend import Frontend
 from deployments.gateway.grpc_ingress import GrpcInferenceMixin
 from deployments.gateway.http_ingress import IngressRoutes, app as http_app
 from deployments.gateway.serve_backend import HopTimeouts, ServeBackend
-from deployments.observability import tracing
+from deployments.observability import metrics, tracing
+from deployments.observability.request_metrics import RequestMetrics
 from deployments.tenancy import TenantRegistry, make_rate_limiter
+from deployments.tenancy.ledger import UsageExporter, make_ledger
+from deployments.tenancy.pricing import prices_of
 from deployments.workers.replica import redis_url, replica_id
 
 
@@ -21,10 +24,14 @@ class Ingress(IngressRoutes, GrpcInferenceMixin):
     def __init__(self, config: PlatformConfig, prefill: dict, decode: dict, cache_admin: DeploymentHandle | None = None) -> None:
         from model import load_tokenizer
 
-        tracing.setup_tracing("deltaserve-ingress", memory=config.trace_memory)
+        tracing.setup_tracing("deltaserve-ingress", memory=config.trace_memory, instance=replica_id(),
+                              attributes={"deltaserve.component": "ingress"})
+        metrics.set_enabled(config.metrics.enabled)
         registry = TenantRegistry.from_file(config.tenants_file)
         self.config = config
         self.replica = replica_id()
+        # the usage ledger in the cache's Redis (shared by ingress replicas); without one, in this process
+        self.ledger = make_ledger(redis_url(config), tuple(config.pools))
         self.frontend = Frontend(
             model_name=config.public_model_name,
             pools=list(config.pools),
@@ -35,9 +42,14 @@ class Ingress(IngressRoutes, GrpcInferenceMixin):
             failover_attempts=config.failover_attempts,
             request_timeout_s={pool: pc.request_timeout_s for pool, pc in config.pools.items()},
             limiter=make_rate_limiter(redis_url(config), replicas=1),  # app.py runs one ingress replica
+            observers=[RequestMetrics.from_config(config), self.ledger],
+            prices=prices_of(config.pools),
         )
         self.prefill, self.decode = prefill, decode
         self.cache_admin = cache_admin  # bound here so it is part of the application
+        # the deltaserve_tenant_* gauges come from one place: cache-admin over Redis; here only without Redis
+        self.usage_exporter = None if self.ledger.store is not None else \
+            UsageExporter(self.ledger, config.metrics.usage_export_s).start()
 
     async def debug_spans(self) -> dict[str, list[dict]]:
         """Finished spans of this ingress and of one replica of each prefill/decode deployment (trace_memory);
@@ -50,6 +62,10 @@ class Ingress(IngressRoutes, GrpcInferenceMixin):
 
     def usage(self) -> dict:
         return self.frontend.usage.snapshot()
+
+    def usage_report(self, tenant: str | None = None, since_s: float | None = None) -> dict:
+        """`deltaserve usage`: the ledger's report (:meth:`~deployments.tenancy.ledger.UsageLedger.report`)."""
+        return self.ledger.report(tenant, since_s)
 
     def failovers(self) -> int:
         """Streams this ingress resumed on another replica after a failure."""

@@ -18,6 +18,7 @@ from typing import Callable
 from cache_service.breaker import CircuitBreaker
 from cache_service.store import RedisStore
 from deployments.gateway.errors import BadRequestError, RateLimitedError
+from deployments.observability import metrics
 from deployments.tenancy.registry import Tenant
 
 WINDOW_S = 60.0  # the "per minute" of requests_per_minute / tokens_per_minute
@@ -77,13 +78,14 @@ class RateLimiter:
         self._windows: dict[str, _Window] = {}
         self._ids = itertools.count(1)
 
-    def acquire(self, tenant: Tenant, tokens: int) -> int:
+    def acquire(self, tenant: Tenant, tokens: int, *, pool: str = "") -> int:
         """Admit one request reserving ``tokens`` (prompt + max output tokens) or raise.
 
         Raises :class:`RateLimitedError` (429) naming the limit that is exhausted, and
         :class:`BadRequestError` (400) when ``tokens`` exceeds ``tokens_per_minute`` (that
         request could never be admitted, so 429 + retry would loop forever). Returns a
-        reservation id that :meth:`refund` accepts (callers may ignore it).
+        reservation id that :meth:`refund` accepts (callers may ignore it). A refusal counts in
+        ``deltaserve_rate_limited_total{pool, tenant, limit}`` (``pool``: the request's pool).
         """
         _check_tokens(tokens)
         rpm, tpm = share(tenant.requests_per_minute, self.replicas), share(tenant.tokens_per_minute, self.replicas)
@@ -101,7 +103,7 @@ class RateLimiter:
             if len(w.entries) >= rpm:
                 # the (len - rpm + 1)-th oldest admission must leave the window
                 t0 = w.entries[len(w.entries) - rpm][0]
-                waits.append((_wait_until_expired(t0, now),
+                waits.append((_wait_until_expired(t0, now), "requests",
                               f"requests per minute: {len(w.entries)} of {rpm} requests used in the last 60 s"))
             if w.tokens + tokens > tpm:
                 need, freed = w.tokens + tokens - tpm, 0
@@ -109,11 +111,11 @@ class RateLimiter:
                     freed += n
                     if freed >= need:
                         break
-                waits.append((_wait_until_expired(t0, now),
+                waits.append((_wait_until_expired(t0, now), "tokens",
                               f"tokens per minute: {w.tokens} of {tpm} tokens used in the last 60 s, "
                               f"request reserves {tokens}"))
             if waits:
-                _refuse(tenant, waits)
+                _refuse(tenant, waits, pool)
             rid = next(self._ids)
             w.entries.append([now, tokens, rid])
             w.tokens += tokens
@@ -166,10 +168,16 @@ def _check_tokens(tokens: int) -> None:
         raise ValueError(f"tokens must be a non-negative integer, got {tokens!r}")
 
 
-def _refuse(tenant: Tenant, waits: list[tuple[float, str]]) -> None:
-    wait, what = max(waits, key=lambda x: x[0])
+def _refuse(tenant: Tenant, waits: list[tuple[float, str, str]], pool: str) -> None:
+    """Raise the 429 of the limit that frees last (``waits``: (seconds, limit, what)), and count it."""
+    wait, limit, what = max(waits, key=lambda x: x[0])
+    _count_refusal(pool, tenant, limit)
     raise RateLimitedError(f"rate limit exceeded for tenant {tenant.name!r} ({what}); retry after {wait:.3f} s",
                            retry_after_s=wait)
+
+
+def _count_refusal(pool: str, tenant: Tenant, limit: str) -> None:
+    metrics.inc("deltaserve_rate_limited_total", pool=pool, tenant=tenant.name, limit=limit)
 
 
 # Shared by the scripts: the clock (the caller's, or Redis's TIME so that every replica reads one
@@ -285,7 +293,7 @@ class SharedRateLimiter:
     def _now(self) -> str:
         return "" if self._clock is None else repr(float(self._clock()))
 
-    def acquire(self, tenant: Tenant, tokens: int) -> int:
+    def acquire(self, tenant: Tenant, tokens: int, *, pool: str = "") -> int:
         """As :meth:`RateLimiter.acquire`, against the tenant's shared window."""
         _check_tokens(tokens)
         rpm, tpm = tenant.requests_per_minute, tenant.tokens_per_minute
@@ -297,29 +305,30 @@ class SharedRateLimiter:
         reply = self.store.run_script("rate limit", _LUA_ACQUIRE, self._keys(tenant.name),
                                       [rpm, tpm, tokens, self._now(), WINDOW_S, int(WINDOW_S * 1000) + 1000])
         if reply is None:
-            return self._acquire_locally(tenant, tokens)
+            return self._acquire_locally(tenant, tokens, pool)
         if int(reply[0]) == 1:
             return int(reply[1])
         req_t0, tok_t0, count, used, now = reply[1], reply[2], int(reply[3]), int(reply[4]), float(reply[5])
         waits = []
         if req_t0:
-            waits.append((_wait_until_expired(float(req_t0), now),
+            waits.append((_wait_until_expired(float(req_t0), now), "requests",
                           f"requests per minute: {count} of {rpm} requests used in the last 60 s"))
         if tok_t0:
-            waits.append((_wait_until_expired(float(tok_t0), now),
+            waits.append((_wait_until_expired(float(tok_t0), now), "tokens",
                           f"tokens per minute: {used} of {tpm} tokens used in the last 60 s, request reserves {tokens}"))
-        _refuse(tenant, waits)
+        _refuse(tenant, waits, pool)
 
-    def _acquire_locally(self, tenant: Tenant, tokens: int) -> int:
+    def _acquire_locally(self, tenant: Tenant, tokens: int, pool: str) -> int:
         self.fallbacks += 1
         part = share(tenant.tokens_per_minute, self.replicas)
         if tokens > part:
             wait = self.store.breaker.reset_timeout_s
+            _count_refusal(pool, tenant, "tokens")
             raise RateLimitedError(
                 f"rate limit exceeded for tenant {tenant.name!r} (tokens per minute: the shared limits are unavailable "
                 f"and this ingress replica's share is {part} of {tenant.tokens_per_minute} tokens, request reserves "
                 f"{tokens}); retry after {wait:.3f} s", retry_after_s=wait)
-        return -self.local.acquire(tenant, tokens)
+        return -self.local.acquire(tenant, tokens, pool=pool)
 
     def refund(self, tenant: Tenant | str, tokens: int, reservation: int | None = None) -> int:
         """As :meth:`RateLimiter.refund`; a negative ``reservation`` was admitted by the local share."""

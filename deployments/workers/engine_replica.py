@@ -9,7 +9,8 @@ from collections.abc import Iterator
 from deployments.engine import AsyncEngine, CheckpointPlan, Engine, EngineConfig
 from model.runner import ModelRunner
 
-from deployments.observability import tracing
+from deployments.observability import metrics, tracing
+from deployments.observability.replica_metrics import ReplicaMetrics
 from deployments.config import PlatformConfig
 from deployments.experts.client import attach_expert_pool
 from deployments.experts.transport import tls_context
@@ -20,14 +21,15 @@ class EngineReplica:
     def __init__(self, config: PlatformConfig, pool: str, kind: str, expert_shards: list | None, *,
                  num_slots: int, max_num_seqs: int) -> None:
         self.config, self.pool = config, pool
-        tracing.setup_tracing(f"deltaserve-{kind}-{pool}", memory=config.trace_memory)
+        tracing.setup_tracing(f"deltaserve-{kind}-{pool}", memory=config.trace_memory, instance=replica_id(),
+                              attributes={"deltaserve.component": kind, "deltaserve.pool": pool})
         model, self.tokenizer = load_replica_model(config)
         self.expert_pool = None
         if expert_shards:
             self.expert_pool = attach_expert_pool(model, expert_shards, transport=config.expert_transport,
                                                   timeout_s=config.expert_transport_timeout_s,
                                                   tls=tls_context(config, server_side=False),
-                                                  discovery_s=config.expert_pool_discovery_s)
+                                                  discovery_s=config.expert_pool_discovery_s, pool=pool)
         self.fingerprint = model.config.fingerprint()
         self.engine = Engine(
             ModelRunner(model, num_slots),
@@ -41,6 +43,9 @@ class EngineReplica:
         self.replica = replica_id()
         self.cache = make_cache(config, model.config)
         self.plan = CheckpointPlan(config.cache.block_size, config.cache.checkpoint_every)
+        metrics.set_enabled(config.metrics.enabled)
+        self.metrics = ReplicaMetrics(self.engine, self.cache, pool=pool, kind=kind, expert_pool=self.expert_pool,
+                                      interval_s=min(1.0, config.metrics.scrape_interval_s))
 
     def check_health(self) -> None:
         """Serve calls this every health-check period: raising (EngineBroken, once the engine is

@@ -48,6 +48,7 @@ class Prefill(EngineReplica):
         t0 = time.perf_counter()
         known = list(req.prompt_ids) + list(req.replay_ids)
         with tracing.span("prefill", req.trace, **{"deltaserve.pool": self.pool, "deltaserve.tenant": req.tenant,
+                                                   "deltaserve.request_id": req.request_id,
                                                    "deltaserve.prompt_tokens": len(req.prompt_ids),
                                                    "deltaserve.replayed_tokens": len(req.replay_ids),
                                                    "deltaserve.replica": self.replica}) as span:
@@ -105,5 +106,6 @@ class Prefill(EngineReplica):
                 cached_tokens=cached,
                 replica=self.replica,
                 prefill_s=time.perf_counter() - t0,
+                queue_s=None if last.first_step_at is None else max(0.0, last.first_step_at - t0),
                 first_logprob=logprobs[-1] if logprobs and first != -1 else None,
             )

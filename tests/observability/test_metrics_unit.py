@@ -137,3 +137,149 @@ def test_disabled_records_nothing_and_labels_are_checked():
         metrics.bind("deltaserve_step_seconds", pool="standard", kind="decode")
     with pytest.raises(KeyError, match="deltaserve_nope"):
         metrics.bind("deltaserve_nope")
+
+
+# -- engine step stats and ReplicaMetrics ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny-k3"), load_tokenizer("tiny-k3")
+
+
+def engine_of(tiny, *, slots: int = 4, budget: int = 8) -> Engine:
+    model, tok = tiny
+    return Engine(ModelRunner(model, slots), tok, EngineConfig(num_slots=slots, max_num_seqs=slots,
+                                                              max_num_batched_tokens=budget, max_model_len=256))
+
+
+def request(rid: str, n_prompt: int, max_tokens: int) -> GenerationRequest:
+    return GenerationRequest(rid, [40 + i for i in range(n_prompt)], max_tokens, ignore_eos=True)
+
+
+def test_engine_reports_each_step_kind_batch_and_tokens(tiny):
+    engine = engine_of(tiny)
+    steps: list[StepStats] = []
+    engine.on_step = steps.append
+    engine.add_request(request("long", 20, 2))  # 20 prompt tokens in chunks of the 8-token budget
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    engine.add_request(request("r1", 4, 3))
+    outs += engine.step()  # r1's prompt
+    engine.add_request(request("r2", 6, 2))
+    while engine.has_unfinished():
+        outs += engine.step()  # r1 decodes beside r2's prompt (mixed), then both decode
+    assert [(s.kind, s.batch_size, s.prefill_tokens, s.decode_tokens) for s in steps] == [
+        ("prefill", 1, 8, 0), ("prefill", 1, 8, 0), ("prefill", 1, 4, 0), ("decode", 1, 0, 1),
+        ("prefill", 1, 4, 0), ("mixed", 2, 6, 1), ("decode", 2, 0, 2)]
+    assert sum(s.seconds for s in steps) == pytest.approx(engine.stats.step_s)
+    assert all(s.seconds > 0 for s in steps)
+    first = {o.request_id: o.first_step_at for o in outs if o.finished}
+    assert first["long"] < first["r1"] < first["r2"]  # the start of the first step that computed each
+
+
+def test_replica_metrics_record_the_steps_and_sample_gauges_and_cache_counters(tiny, tmp_path):
+    model, _ = tiny
+    config = PlatformConfig(model="tiny-k3", tenants_file=str(tmp_path / "tenants.yaml"), cache={"enabled": True})
+    cache = make_cache(config, model.config)  # LRU only (no Redis URL)
+    engine = engine_of(tiny)
+    rm = ReplicaMetrics(engine, cache, pool="standard", kind="prefill", interval_s=None)
+    labels = {"pool": "standard", "kind": "prefill"}
+    engine.add_request(request("a", 12, 1))
+    engine.add_request(request("b", 3, 2))
+    engine.step()  # a: 8 of 12 (b waits: budget)
+    rm.sample()
+    assert values("deltaserve_running_seqs", **labels) == [1.0]
+    assert values("deltaserve_waiting_seqs", **labels) == [1.0]
+    assert values("deltaserve_slots_used", **labels) == [1.0]
+    assert values("deltaserve_slots_total", **labels) == [4.0]
+    while engine.has_unfinished():
+        engine.step()
+    key = cache.key(tenant="alice", tenant_salt="salt")
+    cache.lookup(key, list(range(100)))  # a miss: nothing cached
+    cache.lookup(key, list(range(100)))
+    rm.sample()
+    assert values("deltaserve_batch_size", step="prefill", **labels) == [1.0, 2.0]  # a's 8; a's 4 beside b's 3
+    assert values("deltaserve_batch_size", step="decode", **labels) == [1.0]  # b's second token
+    assert values("deltaserve_prefill_tokens_per_step", **labels) == [8.0, 7.0]
+    assert len(values("deltaserve_step_seconds", step="prefill", **labels)) == 2
+    assert values("deltaserve_running_seqs", **labels) == [0.0]
+    assert values("deltaserve_slots_used", **labels) == [0.0]
+    assert values("deltaserve_cache_lookups_total", **labels) == [2.0]
+    assert values("deltaserve_cache_hits_total", **labels) == []  # inc(0) records nothing
+    assert values("deltaserve_cache_breaker_open", **labels) == [0.0]
+    assert values("deltaserve_cache_lru_bytes", **labels) == [float(cache.lru.nbytes)]
+    cache.lookup(key, list(range(100)))
+    rm.close()  # a last sample: only the increase since the previous one is added
+    assert values("deltaserve_cache_lookups_total", **labels) == [3.0]
+    cache.close()
+
+
+# -- the request path in-process ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def frontend(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("metrics")
+    reg = TenantRegistry()
+    _, alice = reg.add("alice", pools=["standard", "highspeed"], rpm=100_000, tpm=10_000_000, max_context=512)
+    _, bob = reg.add("bob", pools=["standard"], rpm=2, tpm=10_000_000, max_context=512)
+    reg.save(tmp / "tenants.yaml")
+    config = PlatformConfig(model="tiny-k3", tenants_file=str(tmp / "tenants.yaml"), num_slots=4, cache={"enabled": False})
+    pools = list(config.pools)
+    backend = LocalBackend({p: Prefill(config, p) for p in pools}, {p: Decode(config, p) for p in pools})
+    fe = Frontend(model_name="tiny-k3", pools=pools, tokenizer=load_tokenizer("tiny-k3"),
+                  registry=TenantRegistry.from_file(config.tenants_file), backend=backend,
+                  max_model_len=config.max_model_len, limiter=RateLimiter(),
+                  observers=[RequestMetrics.from_config(config)])
+    return fe, {"alice": alice, "bob": bob}
+
+
+async def complete(fe: Frontend, key: str, inp: CompletionInput) -> tuple[int, list[Finished]]:
+    """(HTTP status, the Finished events) of one request through the frontend."""
+    try:
+        return 200, [ev async for ev in fe.complete(key, inp) if isinstance(ev, Finished)]
+    except ApiError as e:
+        return status_of(e), []
+
+
+def test_request_path_counts_equal_the_responses_usage(frontend):
+    fe, keys = frontend
+    metrics.reset()
+    script = [("alice", CompletionInput("tiny-k3", prompt="hello there", max_tokens=6, ignore_eos=True)),
+              ("alice", CompletionInput("tiny-k3-highspeed", prompt="a longer prompt, some words", max_tokens=3,
+                                        ignore_eos=True)),
+              ("alice", CompletionInput("tiny-k3", prompt="x", max_tokens=1, ignore_eos=True)),
+              ("alice", CompletionInput("tiny-k3", prompt="two choices", max_tokens=4, n=2, ignore_eos=True)),
+              ("bad-key", CompletionInput("tiny-k3", prompt="hi", max_tokens=2)),
+              ("alice", CompletionInput("no-such-model", prompt="hi", max_tokens=2)),
+              ("bob", CompletionInput("tiny-k3-highspeed", prompt="hi", max_tokens=2)),  # not bob's pool: 403
+              ("bob", CompletionInput("tiny-k3", prompt="hi", max_tokens=2, ignore_eos=True)),
+              ("bob", CompletionInput("tiny-k3", prompt="hi", max_tokens=2, ignore_eos=True)),
+              ("bob", CompletionInput("tiny-k3", prompt="hi", max_tokens=2))]  # bob's third in a minute: 429
+
+    async def run_all():
+        return [await complete(fe, keys.get(who, "sk-nope"), inp) for who, inp in script]
+
+    results = asyncio.run(run_all())
+    assert [code for code, _ in results] == [200, 200, 200, 200, 401, 404, 403, 200, 200, 429]
+    by_pool: dict[str, dict[str, int]] = {}
+    for (who, inp), (code, fins) in zip(script, results):
+        if code == 200:
+            p = by_pool.setdefault(fins[0].pool, {"requests": 0, "prompt": 0, "out": 0})
+            p["requests"] += 1
+            p["prompt"] += fins[0].usage.prompt_tokens
+            p["out"] += sum(f.usage.completion_tokens for f in fins)
+    for pool, want in by_pool.items():
+        model = "tiny-k3" if pool == "standard" else "tiny-k3-highspeed"
+        got = {lab: v for lab, v in series("deltaserve_ttft_seconds").items() if dict(lab)["pool"] == pool}
+        assert sum(len(v) for v in got.values()) == want["requests"]
+        tenants = {dict(lab)["tenant"] for lab in got}
+        assert sum(values("deltaserve_prompt_tokens_total", pool=pool, model=model, tenant=t)[0] for t in tenants) == want["prompt"]
+        assert sum(values("deltaserve_generation_tokens_total", pool=pool, model=model, tenant=t)[0]
+                   for t in tenants) == want["out"]
+        assert sum(len(values("deltaserve_queue_seconds", pool=pool, model=model, tenant=t)) for t in tenants) == want["requests"]
+    codes = {(dict(lab)["code"], dict(lab)["tenant"], dict(lab)["pool"]): v[0] for lab, v in series("deltaserve_requests_total").items()}
+    assert codes == {("200", "alice", "standard"): 3.0, ("200", "alice", "highspeed"): 1.0, ("200", "bob", "standard"): 2.0,
+                     ("401", UNKNOWN, UNKNOWN): 1.0, ("404", "alice", UNKNOWN): 1.0, ("403", "bob", "highspeed"): 1.0,
+                     ("429", "bob", "standard"): 1.0}
+    assert values("deltaserve_rate_limited_total", pool="standard", tenant="bob", limit="requests") == [1.0]
+    # the 1-token request has no TPOT; the others do
+    assert sum(len(v) for v in series("deltaserve_tpot_seconds").values()) == 5

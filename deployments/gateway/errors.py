@@ -193,22 +193,32 @@ def status_of(exc: BaseException) -> int:
     return 504 if isinstance(exc, (asyncio.TimeoutError, TimeoutError)) else 500
 
 
-def as_api_error(exc: BaseException, request_id: str = "") -> ApiError:
-    """``exc`` as a client may see it. Anything that is not already an :class:`ApiError` is
-    logged here, once, with ``request_id`` and its traceback, and becomes a 5xx whose message
-    says nothing about the internals."""
+def public_error(exc: BaseException, request_id: str = "") -> ApiError:
+    """``exc`` as a client sees it (what :func:`as_api_error` returns), without logging: the ingress
+    span's error event (:mod:`deployments.observability.tracing`) shows exactly this."""
     if isinstance(exc, ApiError):
-        if exc.status >= 500:
-            log.error("request %s failed: %s %s", request_id or "?", exc.status, exc.message)
         return exc
     err = _serve_error(exc)
     if err is None and isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
         err = DeadlineExceeded("the request timed out inside the platform")
     if err is not None:
-        log.error("request %s failed: %s (%s: %s)", request_id or "?", err.status, type(exc).__name__, exc)
         return err
-    log.error("request %s failed: internal error", request_id or "?", exc_info=exc)
     return InternalError(f"internal error (request id {request_id})" if request_id else "internal error")
+
+
+def as_api_error(exc: BaseException, request_id: str = "") -> ApiError:
+    """``exc`` as a client may see it (:func:`public_error`). Anything that is not already an
+    :class:`ApiError` is logged here, once, with ``request_id`` and its traceback, and becomes a 5xx
+    whose message says nothing about the internals."""
+    err = public_error(exc, request_id)
+    if err is exc:
+        if exc.status >= 500:
+            log.error("request %s failed: %s %s", request_id or "?", exc.status, exc.message)
+    elif isinstance(err, InternalError):
+        log.error("request %s failed: internal error", request_id or "?", exc_info=exc)
+    else:
+        log.error("request %s failed: %s (%s: %s)", request_id or "?", err.status, type(exc).__name__, exc)
+    return err
 
 
 def http_error(exc: BaseException, request_id: str = "") -> tuple[int, dict[str, Any], dict[str, str]]:

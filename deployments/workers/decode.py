@@ -41,10 +41,10 @@ class Decode(EngineReplica):
 
     async def generate(self, req: DecodeRequest) -> AsyncIterator[DecodeChunk]:
         p = req.prefill
-        span = tracing.tracer().start_span(
-            "decode", context=tracing.context_from(req.trace),
-            attributes={"deltaserve.pool": self.pool, "deltaserve.tenant": p.tenant, "deltaserve.replica": self.replica},
-        )
+        span = tracing.start_hop("decode", req.trace, **{
+            "deltaserve.pool": self.pool, "deltaserve.tenant": p.tenant, "deltaserve.replica": self.replica,
+            "deltaserve.request_id": p.request_id, "deltaserve.prompt_tokens": len(p.prompt_ids),
+            "deltaserve.replayed_tokens": len(p.replay_ids)})
         n = 0
         try:
             data = req.state
@@ -75,6 +75,9 @@ class Decode(EngineReplica):
                                               out.new_logprobs)
                     except (EngineStepError, EngineBroken) as e:
                         raise ReplicaFailed(f"decode replica {self.replica} failed request {p.request_id}: {e}") from e
+        except BaseException as e:
+            tracing.end_hop(span, e)
+            raise
         finally:
             span.set_attribute("deltaserve.completion_tokens", n)
             span.end()

@@ -1,8 +1,10 @@
 """`deltaserve up`: a local Ray cluster, both pools, the expert pool, HTTP and gRPC ingress,
-and the cache service's Redis (a local redis-server unless DELTASERVE_REDIS_URL is given).
+the cache service's Redis (a local redis-server unless DELTASERVE_REDIS_URL is given) and a
+local Prometheus scraping Ray's metrics export port (deployments/observability/prometheus.py;
+``--no-prometheus``: none).
 
-Prints a ready line with a curl example, runs until Ctrl-C / SIGTERM, then shuts Serve and
-Ray down cleanly.
+Prints a ready line (with the Prometheus URL) and a curl example, runs until Ctrl-C / SIGTERM,
+then stops Prometheus and shuts Serve and Ray down cleanly.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import sys
 import threading
 import time
 
-from deployments.config import PlatformConfig
+from deployments.config import MetricsConfig, PlatformConfig
 from deployments.gateway.grpc_proxy import GRPC_HOST_ENV, PROXY_CALLBACK
+from deployments.observability.tracing import otlp_export
 from deployments.workers.replica import redis_url
 
 GRPC_SERVICER = "deployments.gateway.grpc_proxy.add_inference_servicer"
@@ -116,16 +119,18 @@ def _environ(extra: dict[str, str]):
             os.environ.pop(k, None)
 
 
-def start(config: PlatformConfig, *, app_name: str = "deltaserve", extra_apps: list | None = None) -> None:
-    """Start Ray (local, if not running; with :func:`serve_env`) and Serve with ``config``; deploy
-    and wait until running."""
+def start(config: PlatformConfig, *, app_name: str = "deltaserve", extra_apps: list | None = None,
+          metrics_export_port: int | None = None) -> None:
+    """Start Ray (local, if not running; with :func:`serve_env`; its metrics agent exporting on
+    ``metrics_export_port``, None: a port Ray picks) and Serve with ``config``; deploy and wait
+    until running."""
     import ray
     from ray import serve
     from ray.serve.config import gRPCOptions, HTTPOptions
 
     if not ray.is_initialized():
         with _environ(serve_env(config)):
-            ray.init(include_dashboard=False, log_to_driver=False)
+            ray.init(include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_export_port)
     serve.start(
         http_options=HTTPOptions(host=config.host, port=config.http_port),
         grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=[GRPC_SERVICER], enable_reflection=True),
@@ -152,75 +157,136 @@ def check_env_key(tenants_file: str, api_key: str | None) -> None:
             f"away so that `deltaserve up` creates it with DELTASERVE_API_KEY as tenant 'dev'") from None
 
 
-def up(args: argparse.Namespace) -> int:
+def _load_config(args: argparse.Namespace) -> tuple[PlatformConfig, str | None]:
+    """The platform config with the command line's overrides, and the dev tenant's key when the
+    tenants file was created now. ValueError / FileNotFoundError for anything that would fail later."""
     from cache_service.codec import default_key_path, load_cache_key
     from deployments.tenancy import default_dev_tenants
 
-    try:
-        config = PlatformConfig.load(args.config)
-        updates = {k: v for k, v in {"model": args.model, "http_port": args.http_port, "grpc_port": args.grpc_port,
-                                     "host": args.host, "tenants_file": args.tenants, "expert_mode": args.expert_mode,
-                                     "expert_transport": args.expert_transport,
-                                     "serve_throughput_optimized": False if args.serve_actor_calls else None}.items()
-                   if v is not None}
-        config = PlatformConfig.load({**config.model_dump(), **updates}).with_replicas(parse_replicas(args.replicas or []))
-        cache_updates = {k: v for k, v in {"redis_url": args.redis_url, "enabled": False if args.no_cache else None}.items()
-                         if v is not None}
-        config = config.model_copy(update={"cache": config.cache.model_copy(update=cache_updates)})
-        _, new_key = default_dev_tenants(config.tenants_file, os.environ.get("DELTASERVE_API_KEY"))
-        if not new_key:
-            check_env_key(config.tenants_file, os.environ.get("DELTASERVE_API_KEY"))
-        if config.cache.enabled:  # the replicas' shared cache key: a bad key or file mode fails here, not in a replica
-            load_cache_key(default_key_path(config.tenants_file))
-    except (ValueError, FileNotFoundError) as e:
-        print(f"deltaserve up: {e}", file=sys.stderr)
-        return 2
-    redis = None
-    if config.cache.enabled and not redis_url(config):
-        from cache_service.redis_server import LocalRedisServer, find_free_port
+    config = PlatformConfig.load(args.config)
+    updates = {k: v for k, v in {"model": args.model, "http_port": args.http_port, "grpc_port": args.grpc_port,
+                                 "host": args.host, "tenants_file": args.tenants, "expert_mode": args.expert_mode,
+                                 "expert_transport": args.expert_transport,
+                                 "serve_throughput_optimized": False if args.serve_actor_calls else None}.items()
+               if v is not None}
+    config = PlatformConfig.load({**config.model_dump(), **updates}).with_replicas(parse_replicas(args.replicas or []))
+    cache_updates = {k: v for k, v in {"redis_url": args.redis_url, "enabled": False if args.no_cache else None}.items()
+                     if v is not None}
+    metrics_updates = {k: v for k, v in {"export_port": args.metrics_export_port, "prometheus_port": args.prometheus_port,
+                                         "prometheus": False if args.no_prometheus else None}.items() if v is not None}
+    config = config.model_copy(update={"cache": config.cache.model_copy(update=cache_updates),
+                                       "metrics": MetricsConfig.model_validate({**config.metrics.model_dump(),
+                                                                                **metrics_updates})})
+    _, new_key = default_dev_tenants(config.tenants_file, os.environ.get("DELTASERVE_API_KEY"))
+    if not new_key:
+        check_env_key(config.tenants_file, os.environ.get("DELTASERVE_API_KEY"))
+    if config.cache.enabled:  # the replicas' shared cache key: a bad key or file mode fails here, not in a replica
+        load_cache_key(default_key_path(config.tenants_file))
+    otlp_export()  # OTEL_* variables that ask for an export the replicas lack fail here, not in every replica
+    return config, new_key
 
-        maxmemory = config.cache.local_redis_maxmemory_mib << 20
-        try:
-            redis = LocalRedisServer(6379 if _port_is_free(6379) else find_free_port(), maxmemory_bytes=maxmemory).start()
-        except (RuntimeError, FileNotFoundError) as e:
-            print(f"deltaserve up: {e}", file=sys.stderr)
-            return 2
-        print(f"deltaserve: no DELTASERVE_REDIS_URL given: started a local redis-server at {redis.url} "
-              f"(maxmemory {config.cache.local_redis_maxmemory_mib} MiB, allkeys-lru, no persistence)", flush=True)
-        config = config.model_copy(update={"cache": config.cache.model_copy(update={"redis_url": redis.url})})
-    print(f"deltaserve: starting Ray and Serve (model {config.model}, pools {list(config.pools)}, "
-          f"experts {config.expert_mode}, cache {'Redis ' + str(redis_url(config)) if config.cache.enabled else 'off'})...",
-          flush=True)
-    t0 = time.time()
+
+def _free_port(port: int, what: str) -> int:
+    """``port`` if it is free on 127.0.0.1, else a free one (said on stdout), so that a second
+    platform on the machine still starts; 0: a free one."""
+    from cache_service.redis_server import find_free_port
+
+    if port and _port_is_free(port):
+        return port
+    free = find_free_port()
+    if port:
+        print(f"deltaserve: port {port} ({what}) is in use: using {free}", flush=True)
+    return free
+
+
+def _start_redis(config: PlatformConfig):
+    """A local redis-server for the cache when no Redis URL is given (6379 if free); None otherwise."""
+    from cache_service.redis_server import LocalRedisServer, find_free_port
+
+    if not config.cache.enabled or redis_url(config):
+        return None
+    maxmemory = config.cache.local_redis_maxmemory_mib << 20
+    redis = LocalRedisServer(6379 if _port_is_free(6379) else find_free_port(), maxmemory_bytes=maxmemory).start()
+    print(f"deltaserve: no DELTASERVE_REDIS_URL given: started a local redis-server at {redis.url} "
+          f"(maxmemory {config.cache.local_redis_maxmemory_mib} MiB, allkeys-lru, no persistence)", flush=True)
+    return redis
+
+
+def _start_prometheus(metrics: MetricsConfig):
+    """The embedded Prometheus (after Ray started here), or None: turned off, or it cannot start
+    (a warning says why; the platform runs without it)."""
+    from deployments.observability.prometheus import EmbeddedPrometheus, PrometheusUnavailable
+
+    if not metrics.prometheus:
+        return None
     try:
-        start(config)
-    except BaseException:
-        if redis is not None:
-            redis.stop()
-        raise
-    key = new_key or os.environ.get("DELTASERVE_API_KEY") or "<your key>"
-    if new_key:
-        print(f"deltaserve: created tenant 'dev' in {config.tenants_file}; API key (shown once): {new_key}")
-    model = config.public_model_name
-    print(f"deltaserve: ready in {time.time() - t0:.0f}s: HTTP http://{config.host}:{config.http_port}/v1 "
-          f"gRPC {config.host}:{config.grpc_port}  models: {model}, {config.model_id('highspeed')}", flush=True)
-    print(f"  curl http://{config.host}:{config.http_port}/v1/completions -H 'Authorization: Bearer {key}' "
-          f"-H 'Content-Type: application/json' -d '{{\"model\": \"{model}\", \"prompt\": \"def fib(n):\", \"max_tokens\": 32}}'",
-          flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    print("deltaserve: shutting down...", flush=True)
+        return EmbeddedPrometheus(metrics).start()
+    except PrometheusUnavailable as e:
+        print(f"deltaserve: warning: no local Prometheus: {e}", file=sys.stderr, flush=True)
+        return None
+
+
+def _shutdown_ray() -> None:
     import ray
     from ray import serve
 
     serve.shutdown()
     ray.shutdown()
-    if redis is not None:
-        redis.stop()
+
+
+def up(args: argparse.Namespace) -> int:
+    try:
+        config, new_key = _load_config(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"deltaserve up: {e}", file=sys.stderr)
+        return 2
+    metrics = config.metrics.model_copy(update={"export_port": _free_port(config.metrics.export_port, "Ray metrics export")})
+    if metrics.prometheus:
+        metrics = metrics.model_copy(update={"prometheus_port": _free_port(metrics.prometheus_port, "Prometheus")})
+    config = config.model_copy(update={"metrics": metrics})
+    with contextlib.ExitStack() as running:  # stops what started, in reverse, on any exit
+        try:
+            redis = _start_redis(config)
+        except (RuntimeError, FileNotFoundError) as e:
+            print(f"deltaserve up: {e}", file=sys.stderr)
+            return 2
+        if redis is not None:
+            running.callback(redis.stop)
+            config = config.model_copy(update={"cache": config.cache.model_copy(update={"redis_url": redis.url})})
+        print(f"deltaserve: starting Ray and Serve (model {config.model}, pools {list(config.pools)}, "
+              f"experts {config.expert_mode}, cache {'Redis ' + str(redis_url(config)) if config.cache.enabled else 'off'}, "
+              f"Ray metrics on port {metrics.export_port})...", flush=True)
+        traces = otlp_export()  # every replica inherits this environment and exports the same way
+        print(f"deltaserve: traces: {traces.describe() if traces else 'off (OTEL_EXPORTER_OTLP_ENDPOINT not set)'}",
+              flush=True)
+        t0 = time.time()
+        start(config, metrics_export_port=metrics.export_port)
+        running.callback(_shutdown_ray)
+        prometheus = _start_prometheus(metrics)
+        if prometheus is not None:
+            running.callback(prometheus.stop)
+        _print_ready(config, new_key, time.time() - t0, prometheus.url if prometheus is not None else None)
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+        print("deltaserve: shutting down...", flush=True)
     print("deltaserve: stopped", flush=True)
     return 0
+
+
+def _print_ready(config: PlatformConfig, new_key: str | None, took_s: float, prometheus_url: str | None) -> None:
+    """The ready line (addresses, models, Prometheus) and a curl example that works as printed."""
+    key = new_key or os.environ.get("DELTASERVE_API_KEY") or "<your key>"
+    if new_key:
+        print(f"deltaserve: created tenant 'dev' in {config.tenants_file}; API key (shown once): {new_key}")
+    model = config.public_model_name
+    print(f"deltaserve: ready in {took_s:.0f}s: HTTP http://{config.host}:{config.http_port}/v1 "
+          f"gRPC {config.host}:{config.grpc_port}  models: {model}, {config.model_id('highspeed')}  "
+          f"Prometheus: {prometheus_url or 'off'}", flush=True)
+    print(f"  curl http://{config.host}:{config.http_port}/v1/completions -H 'Authorization: Bearer {key}' "
+          f"-H 'Content-Type: application/json' -d '{{\"model\": \"{model}\", \"prompt\": \"def fib(n):\", \"max_tokens\": 32}}'",
+          flush=True)
 
 
 def add_up_parser(sub) -> None:
@@ -240,4 +306,9 @@ def add_up_parser(sub) -> None:
     p.add_argument("--no-cache", action="store_true", help="run without the prefix/KDA-state cache")
     p.add_argument("--replicas", action="append", metavar="DEPLOYMENT=N",
                    help="e.g. decode-standard=2, or expert-pool-0=2 with --expert-mode pool (repeatable)")
+    p.add_argument("--metrics-export-port", type=int, default=None,
+                   help="Ray's metrics export port, which Prometheus scrapes (default 8085; a free one if taken)")
+    p.add_argument("--prometheus-port", type=int, default=None,
+                   help="port of the local Prometheus on 127.0.0.1 (default 9090; a free one if taken)")
+    p.add_argument("--no-prometheus", action="store_true", help="do not start the local Prometheus")
     p.set_defaults(func=up)

@@ -167,7 +167,7 @@ class GrpcReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
 
-    def Export(self, request, context):  # noqa: N802 - the gRPC method's name
+    def Export(self, request, context):
         self.sink.add(request)
         return trace_service_pb2.ExportTraceServiceResponse()
 
@@ -188,7 +188,7 @@ class HttpReceiver:
         sink, paths = self.sink, self.paths
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 - http.server's name
+            def do_POST(self):
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 paths.append(self.path)
                 sink.add(trace_service_pb2.ExportTraceServiceRequest.FromString(body))
@@ -636,5 +636,6 @@ def test_collector_config_passes_otelcol_validate_where_installed():
     binary = shutil.which("otelcol-contrib") or shutil.which("otelcol")
     if binary is None:
         pytest.skip("no otelcol binary on this machine (the shape is checked by the test above)")
-    done = subprocess.run([binary, "validate", f"--config={COLLECTOR}"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([binary, "validate", f"--config={COLLECTOR}"], capture_output=True, text=True, timeout=60,
+                          check=False)
     assert done.returncode == 0, done.stdout + done.stderr

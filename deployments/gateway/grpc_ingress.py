@@ -29,6 +29,7 @@ import grpc
 from deployments.gateway.errors import BadRequest, grpc_error
 from deployments.gateway.grpc_proxy import SERVICE_NAME
 from deployments.gateway.protocol import ChatMessage, CompletionInput, Finished, TextDelta, TokenLogprobs
+from deployments.observability import tracing
 from deployments.proto.deltaserve.v1 import inference_pb2 as pb
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -72,6 +73,14 @@ def _metadata_value(grpc_context: Any, key: str) -> str | None:
         if k.lower() == key:
             return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
     return None
+
+
+def trace_parent_from_metadata(grpc_context: Any) -> dict[str, str] | None:
+    """The client's W3C trace context from ``traceparent``/``tracestate`` metadata (None without one)."""
+    if grpc_context is None:
+        return None
+    return tracing.client_carrier((k, v.decode("utf-8", "replace") if isinstance(v, bytes) else v)
+                                  for k, v in grpc_context.invocation_metadata() or ())
 
 
 def api_key_from_metadata(grpc_context: Any) -> str | None:
@@ -251,7 +260,8 @@ class GrpcInferenceMixin:
             token_ids: list[int] = []
             logprobs: list[TokenLogprobs] = []
             fin: Finished | None = None
-            async for event in self.frontend.complete(api_key, inp, request_id=rid):
+            async for event in self.frontend.complete(api_key, inp, request_id=rid,
+                                                      trace_parent=trace_parent_from_metadata(grpc_context)):
                 if isinstance(event, TextDelta):
                     text.append(event.text)
                     token_ids.extend(event.token_ids)
@@ -287,7 +297,8 @@ class GrpcInferenceMixin:
         try:
             inp = completion_input_from_request(request, grpc_context)
             api_key = api_key_from_metadata(grpc_context)
-            events = self.frontend.complete(api_key, inp, request_id=rid)
+            events = self.frontend.complete(api_key, inp, request_id=rid,
+                                            trace_parent=trace_parent_from_metadata(grpc_context))
             async for event in events:
                 if isinstance(event, TextDelta):
                     yield pb.GenerateStreamResponse(text=event.text, token_ids=event.token_ids,

@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.gateway.protocol import (ChatMessage, CompletionInput, Finished, RequestLimits, TextDelta,
                                           TokenLogprobs, total_usage)
+from deployments.observability import tracing
 from deployments.gateway.errors import (ApiError, BadRequest, MethodNotAllowed, NotFound, PayloadTooLarge,
                                         UnsupportedParameter, http_error)
 
@@ -400,7 +401,8 @@ class IngressRoutes:
         rid = _request_id(request, "chatcmpl" if chat else "cmpl")
         try:
             inp = body.to_input(request.headers.get("x-session-id"))
-            events = self.frontend.complete(_api_key(request), inp, request_id=rid)
+            events = self.frontend.complete(_api_key(request), inp, request_id=rid,
+                                            trace_parent=tracing.client_carrier(request.headers))
             head = await _first(events)
             pool = self.frontend.resolve(inp.model)
             if not body.stream:

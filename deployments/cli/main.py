@@ -4,6 +4,8 @@
     deltaserve up [--replicas decode-standard=2] [--http-port 8000] [--grpc-port 9000]
     deltaserve tenants add|list|revoke
     deltaserve cache stats|flush [--tenant T]
+    deltaserve usage [--tenant T] [--since 24h] [--json]
+    deltaserve k8s render [--out k8s/] [--config FILE] [--check]
 """
 
 from __future__ import annotations
@@ -60,12 +62,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ids", action="store_true", help="print token ids instead of text")
     gen.set_defaults(func=_generate)
     from deployments.cli.cache import add_cache_parser
+    from deployments.cli.k8s import add_k8s_parser
     from deployments.cli.tenants import add_tenants_parser
     from deployments.cli.up import add_up_parser
+    from deployments.cli.usage import add_usage_parser
 
     add_up_parser(sub)
     add_tenants_parser(sub)
     add_cache_parser(sub)
+    add_usage_parser(sub)
+    add_k8s_parser(sub)
     return parser
 
 

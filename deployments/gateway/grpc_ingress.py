@@ -1,7 +1,8 @@
 """gRPC ingress: ``deltaserve.v1.Inference`` on Ray Serve's gRPC proxy.
 
 * :mod:`deployments.gateway.grpc_proxy` registers the services in Serve's gRPC proxy.
-* :class:`GrpcInferenceMixin` gives the ingress deployment class those three methods.
+* :class:`GrpcInferenceMixin` gives the ingress deployment class those four methods (Generate,
+  GenerateStream, ListModels, ReportTaskOutcome).
   They read the API key from the ``authorization`` metadata (``Bearer <key>`` or the bare
   key), turn the request into a :class:`~deployments.gateway.protocol.CompletionInput`, call
   ``self.frontend`` and turn its events (or its errors) into protobuf replies, gRPC
@@ -31,6 +32,8 @@ from deployments.gateway.grpc_proxy import SERVICE_NAME
 from deployments.gateway.protocol import ChatMessage, CompletionInput, Finished, TextDelta, TokenLogprobs
 from deployments.observability import tracing
 from deployments.proto.deltaserve.v1 import inference_pb2 as pb
+from deployments.tenancy.ledger import report_task_outcome
+from deployments.tenancy.pricing import usd
 
 if TYPE_CHECKING:  # pragma: no cover
     from deployments.gateway.protocol import Usage
@@ -58,6 +61,7 @@ MD_RETRY_AFTER = "retry-after"  # whole seconds, like HTTP Retry-After
 # Request metadata keys.
 MD_AUTHORIZATION = "authorization"
 MD_SESSION_ID = "x-session-id"
+MD_TASK_ID = "x-task-id"
 
 
 
@@ -143,6 +147,9 @@ def completion_input_from_request(request: pb.GenerateRequest, grpc_context: Any
     session_id = request.session_id or _metadata_value(grpc_context, MD_SESSION_ID)
     if session_id:
         kwargs["session_id"] = session_id
+    task_id = request.task_id or _metadata_value(grpc_context, MD_TASK_ID)
+    if task_id is not None:
+        kwargs["task_id"] = task_id
     if request.cache_salt:
         kwargs["cache_salt"] = request.cache_salt
     if request.ignore_eos:
@@ -159,6 +166,9 @@ def completion_input_from_request(request: pb.GenerateRequest, grpc_context: Any
 
 
 def _usage_pb(usage: Usage) -> pb.Usage:
+    """The reply's usage; ``cost`` and ``cost_details`` in USD when the pool is priced (as HTTP's ``usage.cost``)."""
+    cost = usage.cost
+    priced = {} if cost is None else {"cost": cost.usd(), "cost_details": pb.CostDetails(**cost.details_usd())}
     return pb.Usage(
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
@@ -166,6 +176,7 @@ def _usage_pb(usage: Usage) -> pb.Usage:
         time_to_first_token_s=usage.time_to_first_token_s,
         output_tokens_per_s=usage.output_tokens_per_s,
         end_to_end_s=usage.end_to_end_s,
+        **priced,
     )
 
 
@@ -241,6 +252,7 @@ class GrpcInferenceMixin:
     """
 
     frontend: Any
+    ledger: Any = None  # the usage ledger (deployments.tenancy.ledger.UsageLedger); None: no task is known
 
     #: How a GenerateStream error is reported (before or after the first event).
     #: Serve only forwards trailing metadata alongside a yielded message, so
@@ -343,3 +355,18 @@ class GrpcInferenceMixin:
             return pb.ListModelsResponse()
         return pb.ListModelsResponse(models=[pb.Model(id=c.id, pool=c.pool, owned_by=c.owned_by, created=c.created,
                                                           max_model_len=c.max_model_len) for c in cards])
+
+    async def ReportTaskOutcome(self, request: pb.ReportTaskOutcomeRequest,
+                                grpc_context: Any = None) -> pb.TaskOutcome:
+        """HTTP's ``POST /v1/tasks/{task_id}``: the same checks and errors (NOT_FOUND, FAILED_PRECONDITION,
+        INVALID_ARGUMENT naming ``task_id`` or ``outcome``)."""
+        try:
+            report = report_task_outcome(self.frontend, self.ledger, api_key_from_metadata(grpc_context),
+                                         request.task_id, request.outcome)
+        except Exception as e:
+            _set_error(grpc_context, e, "ReportTaskOutcome")
+            return pb.TaskOutcome()
+        return pb.TaskOutcome(task_id=report.task_id, outcome=report.outcome, requests=report.requests,
+                              cost=usd(report.cost_pico),
+                              pools={p: pb.TaskPoolSpend(requests=v["requests"], cost=usd(v["cost_pico"]))
+                                     for p, v in report.pools.items()})

@@ -1,8 +1,8 @@
 """HTTP ingress: the OpenAI-compatible API (FastAPI).
 
 Endpoints: ``GET /v1/models``, ``GET /v1/models/{model}``, ``POST /v1/completions``,
-``POST /v1/chat/completions`` (server-sent events when ``stream`` is true), ``GET /healthz``,
-OpenAPI at ``/docs``. Every response names the pool and replica that served it
+``POST /v1/chat/completions`` (server-sent events when ``stream`` is true), ``POST /v1/tasks/{task_id}``
+(a task's outcome, :mod:`deployments.tenancy.ledger`), ``GET /healthz``, OpenAPI at ``/docs``. Every response names the pool and replica that served it
 (``x-deltaserve-pool``, ``x-deltaserve-replica`` headers and the ``model`` field) and the
 request id (``x-deltaserve-request-id``, the completion's ``id``, and the id in the logs).
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,6 +35,7 @@ from deployments.gateway.protocol import (ChatMessage, CompletionInput, Finished
 from deployments.observability import tracing
 from deployments.gateway.errors import (ApiError, BadRequest, MethodNotAllowed, NotFound, PayloadTooLarge,
                                         UnsupportedParameter, http_error)
+from deployments.tenancy.ledger import UsageLedger, report_task_outcome
 
 #: OpenAI parameters the platform does not implement → the values that mean "off" (accepted).
 UNSUPPORTED: dict[str, tuple] = {
@@ -119,14 +120,14 @@ class CompletionRequest(_OpenAIRequest):
     suffix: Any = _unsupported()
     best_of: Any = _unsupported()
 
-    def to_input(self, session_id: str | None) -> CompletionInput:
+    def to_input(self, session_id: str | None, task_id: str | None = None) -> CompletionInput:
         common = self.common()
         prompt = self.prompt
         if isinstance(prompt, list):
             if len(prompt) != 1:
                 raise BadRequest(f"prompt lists must hold exactly one string, got {len(prompt)}", param="prompt")
             prompt = prompt[0]
-        return CompletionInput(prompt=prompt, session_id=session_id, logprobs=self.logprobs,
+        return CompletionInput(prompt=prompt, session_id=session_id, task_id=task_id, logprobs=self.logprobs,
                                allow_special_tokens=self.allow_special_tokens, **common)
 
 
@@ -178,7 +179,7 @@ class ChatCompletionRequest(_OpenAIRequest):
     top_logprobs: int | None = Field(None, description=f"with logprobs: 0 to {_LIMITS.max_logprobs} most likely "
                                      "alternatives per token")
 
-    def to_input(self, session_id: str | None) -> CompletionInput:
+    def to_input(self, session_id: str | None, task_id: str | None = None) -> CompletionInput:
         common = self.common()
         if self.max_completion_tokens is not None:
             common["max_tokens"] = self.max_completion_tokens
@@ -188,8 +189,14 @@ class ChatCompletionRequest(_OpenAIRequest):
             raise BadRequest(f"messages may hold at most {_LIMITS.max_messages} messages, got {len(self.messages)}",
                              param="messages")
         msgs = tuple(m.to_message(i) for i, m in enumerate(self.messages))
-        return CompletionInput(messages=msgs, session_id=session_id, logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+        return CompletionInput(messages=msgs, session_id=session_id, task_id=task_id, logprobs=(self.top_logprobs or 0) if self.logprobs else None,
                                **common)
+
+
+class TaskOutcomeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    outcome: Literal["success", "failure"] = Field(description="how the task the client grouped with x-task-id "
+                                                   "ended: its spend counts toward cost per successful task")
 
 
 def _api_key(request: Request) -> str | None:
@@ -211,7 +218,9 @@ def _error(exc: BaseException, request_id: str) -> JSONResponse:
 
 
 def _usage_json(u) -> dict:
-    return {
+    """OpenAI's usage, plus ``timings`` and (a priced pool) ``cost``, USD, with its parts in ``cost_details``:
+    ``input`` (prompt tokens computed), ``cached_input`` (prompt tokens from the cache), ``output``."""
+    out = {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
@@ -220,6 +229,10 @@ def _usage_json(u) -> dict:
                     "output_tokens_per_s": round(u.output_tokens_per_s, 3),
                     "end_to_end_s": round(u.end_to_end_s, 6)},
     }
+    cost = u.cost
+    if cost is not None:
+        out["cost"], out["cost_details"] = cost.usd(), cost.details_usd()
+    return out
 
 
 def _completion_logprobs(entries: list[TokenLogprobs], offset: int) -> dict:
@@ -363,6 +376,7 @@ class IngressRoutes:
     """Mixed into the ingress deployment class (see ingress.py); ``self.frontend`` serves the requests."""
 
     frontend: Any
+    ledger: UsageLedger | None = None  # the usage ledger (tasks); None: no task is known
 
     @_route("GET", "/healthz")
     async def healthz(self) -> dict:
@@ -396,11 +410,22 @@ class IngressRoutes:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         return await self._serve(body, request, chat=True)
 
+    @_route("POST", "/v1/tasks/{task_id}")
+    async def task_outcome(self, task_id: str, body: TaskOutcomeRequest, request: Request):
+        """Report how a task (the requests sent with ``x-task-id: <task_id>``) ended. The same outcome
+        again answers as before; a different one is 409; a task the caller's tenant never named is 404."""
+        rid = _request_id(request)
+        try:
+            report = report_task_outcome(self.frontend, self.ledger, _api_key(request), task_id, body.outcome)
+        except Exception as e:
+            return _error(e, rid)
+        return JSONResponse(report.json(), headers={"x-deltaserve-request-id": rid})
+
     async def _serve(self, body, request: Request, *, chat: bool):
         created = int(time.time())
         rid = _request_id(request, "chatcmpl" if chat else "cmpl")
         try:
-            inp = body.to_input(request.headers.get("x-session-id"))
+            inp = body.to_input(request.headers.get("x-session-id"), request.headers.get("x-task-id"))
             events = self.frontend.complete(_api_key(request), inp, request_id=rid,
                                             trace_parent=tracing.client_carrier(request.headers))
             head = await _first(events)
@@ -499,11 +524,12 @@ async def _sse(events: AsyncIterator, chat: bool, created: int, include_usage: b
 
 def standalone_app(frontend) -> FastAPI:
     """The same API served by ``frontend`` in this process, without Serve (tests, benchmarks):
-    :class:`IngressRoutes`' routes bound to one instance."""
+    :class:`IngressRoutes`' routes bound to one instance (tasks: the :class:`UsageLedger` among its observers)."""
 
     class _Local(IngressRoutes):
         def __init__(self) -> None:
             self.frontend = frontend
+            self.ledger = next((o for o in frontend.observers if isinstance(o, UsageLedger)), None)
 
     owner = _Local()
     local = build_http_app()

@@ -8,6 +8,10 @@ naming its ``index``). Failures are :class:`~deployments.gateway.errors.ApiError
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from deployments.tenancy.pricing import Cost, Price
 
 POOLS = ("standard", "highspeed")
 HIGHSPEED_SUFFIX = "-highspeed"
@@ -25,7 +29,7 @@ class RequestLimits:
     max_n: int = 8  # choices per request (n * max_tokens counts against the tenant's tokens/min)
     max_stop: int = 4  # stop strings per request
     max_stop_chars: int = 256  # characters of one stop string
-    max_id_chars: int = 256  # model id, user, x-session-id and cache_salt, characters
+    max_id_chars: int = 256  # model id, user, x-session-id, x-task-id and cache_salt, characters
     max_messages: int = 1024  # chat messages per request
     max_content_parts: int = 256  # text parts of one chat message's content (HTTP)
     max_logprobs: int = 20  # logprobs (completions) / top_logprobs (chat): alternatives per token
@@ -106,6 +110,13 @@ class Usage:
     time_to_first_token_s: float
     output_tokens_per_s: float  # steady rate after the first token
     end_to_end_s: float
+    price: Price | None = None  # the serving pool's price table (deployments.tenancy.pricing); None: not priced
+
+    @property
+    def cost(self) -> Cost | None:
+        """What these tokens cost at ``price`` (integer pico-USD); None when not priced."""
+        return None if self.price is None else self.price.cost(self.prompt_tokens, self.cached_tokens,
+                                                               self.completion_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +133,8 @@ class Finished:
 
 def total_usage(finished: list[Finished]) -> Usage:
     """The request's usage over its choices: the prompt counted once (as OpenAI counts it),
-    completion tokens summed, the first token's time and the longest choice's end."""
+    completion tokens summed, the first token's time and the longest choice's end (its ``cost``:
+    the prompt once, every choice's output)."""
     us = [f.usage for f in finished]
     out = sum(u.completion_tokens for u in us)
     e2e = max(u.end_to_end_s for u in us)
@@ -130,4 +142,4 @@ def total_usage(finished: list[Finished]) -> Usage:
     return Usage(prompt_tokens=us[0].prompt_tokens, completion_tokens=out, cached_tokens=us[0].cached_tokens,
                  time_to_first_token_s=ttft,
                  output_tokens_per_s=(out - len(us)) / (e2e - ttft) if out > len(us) and e2e > ttft else 0.0,
-                 end_to_end_s=e2e)
+                 end_to_end_s=e2e, price=us[0].price)

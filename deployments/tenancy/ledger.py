@@ -41,7 +41,7 @@ from typing import Callable
 
 from cache_service.breaker import CircuitBreaker
 from cache_service.store import RedisStore
-from deployments.gateway.errors import ApiError, NotFound, Unavailable
+from deployments.gateway.errors import ApiError, BadRequest, NotFound, Unavailable
 from deployments.gateway.protocol import POOLS
 from deployments.observability import metrics
 from deployments.tenancy.pricing import Cost, per_task_usd, usd
@@ -474,3 +474,21 @@ class UsageExporter:
                 self.export_once()
             except Exception:  # noqa: BLE001 - the next round retries; the serving path is not affected
                 log.exception("usage ledger export failed")
+
+
+def report_task_outcome(frontend, ledger: UsageLedger | None, api_key: str | None, task_id: str,
+                        outcome: str) -> TaskReport:
+    """``POST /v1/tasks/{task_id}`` and gRPC ``ReportTaskOutcome``: authenticate the caller as every route does
+    (401), check the task id (400 naming ``task_id``) and the outcome (400 naming ``outcome``), then close the
+    caller's tenant's task (404 unknown, 409 a changed outcome)."""
+    from deployments.gateway.frontend import check_task_id
+
+    frontend.registry.reload_if_changed()
+    tenant = frontend.registry.authenticate(api_key)
+    check_task_id(task_id, frontend.limits, "task_id")
+    if outcome not in OUTCOMES:
+        raise BadRequest(f"outcome must be one of {sorted(OUTCOMES)}, got {outcome[:40]!r}", param="outcome")
+    if ledger is None:
+        raise NotFound(f"unknown task {task_id!r}: this ingress keeps no usage ledger", code="task_not_found",
+                       param="task_id")
+    return ledger.report_outcome(tenant.name, task_id, outcome)

@@ -3,6 +3,10 @@
 Redis-wide and per-tenant numbers come from Redis (key counts and bytes by kind, per-tenant
 counters); per-replica numbers (LRU, hits, corrupt entries, breaker state, queued writes)
 from one replica of each prefill and decode deployment.
+
+It is also the one place that exports the usage ledger (Redis) as the ``deltaserve_tenant_*``
+gauges, every ``metrics.usage_export_s`` (one replica: one series per tenant); without Redis the
+ingress exports its in-process ledger instead.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from cache_service.client import flush_cache
 from cache_service.store import RedisStore
 
 from deployments.config import PlatformConfig
+from deployments.observability import metrics
+from deployments.tenancy.ledger import UsageExporter, UsageLedger
 from deployments.workers.replica import redis_url
 
 
@@ -22,6 +28,9 @@ class CacheAdmin:
         url = redis_url(config)
         self.store = RedisStore(url, timeout_s=max(1.0, config.cache.redis_timeout_s)) if url else None
         self.prefill, self.decode = prefill, decode
+        metrics.set_enabled(config.metrics.enabled)
+        self.usage_exporter = UsageExporter(UsageLedger(self.store, pools=tuple(config.pools)),
+                                            config.metrics.usage_export_s).start() if self.store else None
 
     async def stats(self, tenant: str | None = None) -> dict:
         redis = await asyncio.to_thread(cache_stats, self.store, tenant) if self.store else {"available": False, "reason": "no Redis configured"}

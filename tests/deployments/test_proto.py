@@ -63,7 +63,7 @@ def test_stubs_import_as_a_package_and_pickle():
 
     service = pb.DESCRIPTOR.services_by_name["Inference"]
     assert service.full_name == "deltaserve.v1.Inference"
-    assert [m.name for m in service.methods] == ["Generate", "GenerateStream", "ListModels"]
+    assert [m.name for m in service.methods] == ["Generate", "GenerateStream", "ListModels", "ReportTaskOutcome"]
     assert service.methods_by_name["GenerateStream"].server_streaming
     assert hasattr(pb_grpc, "InferenceStub") and hasattr(pb_grpc, "add_InferenceServicer_to_server")
     req = pb.GenerateRequest(model="m", prompt="p", max_tokens=0)

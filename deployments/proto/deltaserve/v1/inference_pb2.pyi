@@ -15,7 +15,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "messages", "max_tokens", "temperature", "top_p", "seed", "stop", "session_id", "ignore_eos", "cache_salt", "presence_penalty", "frequency_penalty", "logprobs", "user", "allow_special_tokens")
+    __slots__ = ("model", "prompt", "messages", "max_tokens", "temperature", "top_p", "seed", "stop", "session_id", "ignore_eos", "cache_salt", "presence_penalty", "frequency_penalty", "logprobs", "user", "allow_special_tokens", "task_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class GenerateRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     USER_FIELD_NUMBER: _ClassVar[int]
     ALLOW_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
@@ -48,7 +49,8 @@ class GenerateRequest(_message.Message):
     logprobs: int
     user: str
     allow_special_tokens: bool
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., user: _Optional[str] = ..., allow_special_tokens: _Optional[bool] = ...) -> None: ...
+    task_id: str
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., user: _Optional[str] = ..., allow_special_tokens: _Optional[bool] = ..., task_id: _Optional[str] = ...) -> None: ...
 
 class TokenAlternative(_message.Message):
     __slots__ = ("token", "token_bytes", "logprob")
@@ -73,20 +75,34 @@ class TokenLogprob(_message.Message):
     def __init__(self, token: _Optional[str] = ..., token_bytes: _Optional[bytes] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenAlternative, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "time_to_first_token_s", "output_tokens_per_s", "end_to_end_s")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "time_to_first_token_s", "output_tokens_per_s", "end_to_end_s", "cost", "cost_details")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     END_TO_END_S_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    COST_DETAILS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
     time_to_first_token_s: float
     output_tokens_per_s: float
     end_to_end_s: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., output_tokens_per_s: _Optional[float] = ..., end_to_end_s: _Optional[float] = ...) -> None: ...
+    cost: float
+    cost_details: CostDetails
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., output_tokens_per_s: _Optional[float] = ..., end_to_end_s: _Optional[float] = ..., cost: _Optional[float] = ..., cost_details: _Optional[_Union[CostDetails, _Mapping]] = ...) -> None: ...
+
+class CostDetails(_message.Message):
+    __slots__ = ("input", "cached_input", "output")
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    CACHED_INPUT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    input: float
+    cached_input: float
+    output: float
+    def __init__(self, input: _Optional[float] = ..., cached_input: _Optional[float] = ..., output: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "usage", "model", "pool", "replica", "request_id", "logprobs")
@@ -157,3 +173,40 @@ class ListModelsResponse(_message.Message):
     MODELS_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[Model]
     def __init__(self, models: _Optional[_Iterable[_Union[Model, _Mapping]]] = ...) -> None: ...
+
+class ReportTaskOutcomeRequest(_message.Message):
+    __slots__ = ("task_id", "outcome")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    outcome: str
+    def __init__(self, task_id: _Optional[str] = ..., outcome: _Optional[str] = ...) -> None: ...
+
+class TaskPoolSpend(_message.Message):
+    __slots__ = ("requests", "cost")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    requests: int
+    cost: float
+    def __init__(self, requests: _Optional[int] = ..., cost: _Optional[float] = ...) -> None: ...
+
+class TaskOutcome(_message.Message):
+    __slots__ = ("task_id", "outcome", "requests", "cost", "pools")
+    class PoolsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: TaskPoolSpend
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[TaskPoolSpend, _Mapping]] = ...) -> None: ...
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    outcome: str
+    requests: int
+    cost: float
+    pools: _containers.MessageMap[str, TaskPoolSpend]
+    def __init__(self, task_id: _Optional[str] = ..., outcome: _Optional[str] = ..., requests: _Optional[int] = ..., cost: _Optional[float] = ..., pools: _Optional[_Mapping[str, TaskPoolSpend]] = ...) -> None: ...

@@ -49,6 +49,11 @@ class InferenceStub:
                 request_serializer=deltaserve_dot_v1_dot_inference__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=deltaserve_dot_v1_dot_inference__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.ReportTaskOutcome = channel.unary_unary(
+                '/deltaserve.v1.Inference/ReportTaskOutcome',
+                request_serializer=deltaserve_dot_v1_dot_inference__pb2.ReportTaskOutcomeRequest.SerializeToString,
+                response_deserializer=deltaserve_dot_v1_dot_inference__pb2.TaskOutcome.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -75,6 +80,14 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportTaskOutcome(self, request, context):
+        """How a task (the requests sent with its task_id) ended: success or failure. The same outcome again
+        answers as before; another is FAILED_PRECONDITION; a task the tenant never named is NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +105,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=deltaserve_dot_v1_dot_inference__pb2.ListModelsRequest.FromString,
                     response_serializer=deltaserve_dot_v1_dot_inference__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'ReportTaskOutcome': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportTaskOutcome,
+                    request_deserializer=deltaserve_dot_v1_dot_inference__pb2.ReportTaskOutcomeRequest.FromString,
+                    response_serializer=deltaserve_dot_v1_dot_inference__pb2.TaskOutcome.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +193,33 @@ class Inference:
             '/deltaserve.v1.Inference/ListModels',
             deltaserve_dot_v1_dot_inference__pb2.ListModelsRequest.SerializeToString,
             deltaserve_dot_v1_dot_inference__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportTaskOutcome(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltaserve.v1.Inference/ReportTaskOutcome',
+            deltaserve_dot_v1_dot_inference__pb2.ReportTaskOutcomeRequest.SerializeToString,
+            deltaserve_dot_v1_dot_inference__pb2.TaskOutcome.FromString,
             options,
             channel_credentials,
             insecure,

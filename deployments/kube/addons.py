@@ -74,14 +74,32 @@ def redis(config: PlatformConfig) -> list[dict]:
             n.service(n.REDIS, n.REDIS, {"redis": n.REDIS_PORT})]
 
 
-def collector(addons: Addons) -> list[dict]:
-    """The OTel Collector with ``ops/otel/collector.yaml`` (ConfigMap COLLECTOR_CONFIG, key config.yaml)."""
+def collector_health_port(config_text: str) -> int | None:
+    """The port of the collector config's ``health_check`` extension when the service enables it."""
+    config = yaml.safe_load(config_text) or {}
+    if "health_check" not in (config.get("service") or {}).get("extensions", []):
+        return None
+    endpoint = ((config.get("extensions") or {}).get("health_check") or {}).get("endpoint", "0.0.0.0:13133")
+    return int(str(endpoint).rsplit(":", 1)[1])
+
+
+def collector(addons: Addons, config_text: str) -> list[dict]:
+    """The OTel Collector with ``config_text`` (ops/otel/collector.yaml; ConfigMap COLLECTOR_CONFIG, key
+    config.yaml), which reads Tempo's address from $TEMPO_OTLP_ENDPOINT. Probes: its health_check
+    extension where the config enables one, else the OTLP/gRPC port."""
+    ports = {"otlp-grpc": n.OTLP_GRPC_PORT, "otlp-http": n.OTLP_HTTP_PORT}
+    health = collector_health_port(config_text)
+    if health is not None:
+        ports["health"] = health
+        ready, live = n.http_probe("/", "health"), n.http_probe("/", "health", delay_s=15)
+    else:
+        ready, live = n.tcp_probe("otlp-grpc"), n.tcp_probe("otlp-grpc", delay_s=15)
     container = {"name": "otel-collector", "image": COLLECTOR_IMAGE, "args": ["--config=/etc/otelcol/config.yaml"],
-                 "env": n.env({"GOMEMLIMIT": "400MiB", "TEMPO_OTLP_ENDPOINT": f"{n.TEMPO}:{n.OTLP_GRPC_PORT}"}),
-                 "ports": [{"name": "otlp-grpc", "containerPort": n.OTLP_GRPC_PORT, "protocol": "TCP"},
-                           {"name": "otlp-http", "containerPort": n.OTLP_HTTP_PORT, "protocol": "TCP"}],
-                 "resources": _resources("100m", "512Mi", "1"),
-                 "readinessProbe": n.tcp_probe("otlp-grpc"), "livenessProbe": n.tcp_probe("otlp-grpc", delay_s=15),
+                 # the config's memory_limiter refuses data at 400 MiB: below Go's soft limit, below the container's
+                 "env": n.env({"GOMEMLIMIT": "460MiB", "TEMPO_OTLP_ENDPOINT": f"{n.TEMPO}:{n.OTLP_GRPC_PORT}"}),
+                 "ports": [{"name": k, "containerPort": p, "protocol": "TCP"} for k, p in ports.items()],
+                 "resources": _resources("100m", "576Mi", "1"),
+                 "readinessProbe": ready, "livenessProbe": live,
                  "volumeMounts": [{"name": "config", "mountPath": "/etc/otelcol", "readOnly": True}],
                  "securityContext": n.container_security()}
     spec = {"securityContext": n.pod_security(10001), "containers": [container],

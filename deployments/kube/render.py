@@ -115,7 +115,7 @@ def base_tree(src: Sources) -> dict[str, bytes]:
     resources = {
         "namespace.yaml": dump(policies.namespace()),
         "redis.yaml": dump(*a.redis(src.config)),
-        "otel-collector.yaml": dump(*a.collector(src.addons)),
+        "otel-collector.yaml": dump(*a.collector(src.addons, collector_src.read_text())),
         "tempo.yaml": dump(*a.tempo(src.addons)),
         "grafana.yaml": dump(*a.grafana(dashboard_maps, dashboards_path)),
         "ray-service-account.yaml": dump(n.service_account(n.RAY, n.RAY)),

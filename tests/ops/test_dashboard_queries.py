@@ -1,0 +1,267 @@
+"""Every dashboard panel's PromQL returns data against the Prometheus `deltaserve up` embeds.
+
+One `deltaserve up` (expert pool on, the cache on, both pools, two tenants: ``alpha`` with both
+pools, ``beta`` with the standard pool and 2 requests a minute), a short load run in two rounds
+with a scrape between them (so every counter and histogram has grown since Prometheus first saw
+it: rates and quantiles are numbers, not NaN): per pool non-streamed completions sharing a prompt
+(cache hits), streamed chat completions, tasks that succeed and fail, a prompt over the tenant's
+context (400), ``beta`` over its rate (429) and on highspeed (403).
+
+Then each dashboard variable's own ``label_values`` query gives its values (asserted: the pools,
+the tenants, cluster ``local``), each panel query is run with them substituted as Grafana would
+(multi-value: ``(a|b)``; ``$__rate_interval``: 1m; ``$__range``: 10m) and must return at least one
+series with a finite value. The table of panels and their results is printed (also without ``-s``),
+written to ``dashboard_queries.txt`` in the test's tmp dir and attached to the report
+(``record_property``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import re
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import yaml
+
+from tests.deployments.up_process import deltaserve_up
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = {"standard": "k3-tiny", "highspeed": "k3-tiny-highspeed"}
+SCRAPE_S = 1.0
+USAGE_EXPORT_S = 1.0
+# What Grafana puts for its interval variables (the datasource's timeInterval is the scrape interval).
+INTERVALS = {"__rate_interval": "1m", "__interval": "15s", "__range": "10m"}
+SHARED_PROMPT = "The platform serves two tiers of a hybrid linear-attention model; " * 12
+
+
+def load_builder():
+    name = "deltaserve_grafana_dashboards"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "ops" / "grafana" / "dashboards.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+# Panels whose series the load fixes exactly: (dashboard, panel, ref) -> {labels: value or None (any)}.
+DEPLOYMENTS = ("cache-admin", "decode-highspeed", "decode-standard", "expert-pool-0", "expert-pool-1", "ingress",
+               "prefill-highspeed", "prefill-standard")
+EXACT = {
+    ("deltaserve-overview", "Request rate", "A"): {
+        (("pool", p), ("status", s)): None for p in MODELS for s in ("ok", "error")},
+    ("deltaserve-overview", "Errors by code", "A"): {
+        (("code", "400"), ("pool", "standard")): None, (("code", "403"), ("pool", "highspeed")): None,
+        (("code", "429"), ("pool", "standard")): None},
+    ("deltaserve-overview", "Healthy replicas per deployment", "A"): {
+        (("application", "deltaserve"), ("deployment", d)): 1.0 for d in DEPLOYMENTS},
+    ("deltaserve-tenants", "Rate-limit rejections/s", "A"): {
+        (("limit", "requests"), ("pool", "standard"), ("tenant", "beta")): None},
+    ("deltaserve-tenants", "Tasks by outcome", "A"): {
+        **{(("outcome", o), ("tenant", "alpha")): n for o, n in (("succeeded", 4.0), ("failed", 4.0), ("open", 0.0))},
+        **{(("outcome", o), ("tenant", "beta")): 0.0 for o in ("succeeded", "failed", "open")}},
+}
+
+
+@dataclass
+class Result:
+    dashboard: str
+    panel: str
+    ref: str
+    series: int
+    finite: int  # series whose value is a number (not NaN / Inf)
+    sample: str  # one series' labels and value, for the table
+    values: dict[tuple[tuple[str, str], ...], float]  # labels -> value of every series
+    unlabelled: set[str]  # labels the legend names that some series lacks
+
+
+def write_tenants(path: Path) -> dict[str, str]:
+    """``alpha``: both pools, limits no request here reaches; ``beta``: standard only, 2 requests a minute."""
+    from deployments.tenancy import TenantRegistry
+
+    reg = TenantRegistry(path=path)
+    _, alpha = reg.add("alpha", pools=("standard", "highspeed"), rpm=10**6, tpm=10**9, max_context=4096)
+    _, beta = reg.add("beta", pools=("standard",), rpm=2, tpm=10**9, max_context=4096)
+    reg.save(path)
+    return {"alpha": alpha, "beta": beta}
+
+
+class Load:
+    """The requests of one round, against ``base`` (``http://127.0.0.1:<port>/v1``)."""
+
+    def __init__(self, base: str, keys: dict[str, str]) -> None:
+        self.base, self.keys = base, keys
+        self.codes: list[tuple[str, int]] = []
+
+    def _post(self, what: str, tenant: str, path: str, body: dict, headers: dict[str, str] | None = None) -> int:
+        h = {"Authorization": f"Bearer {self.keys[tenant]}", **(headers or {})}
+        if body.get("stream"):
+            with httpx.stream("POST", f"{self.base}{path}", headers=h, json=body, timeout=120) as r:
+                for _ in r.iter_lines():
+                    pass
+                code = r.status_code
+        else:
+            code = httpx.post(f"{self.base}{path}", headers=h, json=body, timeout=120).status_code
+        self.codes.append((what, code))
+        return code
+
+    def served(self, pool: str, round_no: int) -> None:
+        model = MODELS[pool]
+        task = f"{pool}-{round_no}"
+        for i in range(2):  # the same prompt: the second one reuses the first one's cached state
+            self._post(f"{pool} completion", "alpha", "/completions",
+                       {"model": model, "prompt": SHARED_PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True},
+                       {"x-task-id": f"{task}-ok"})
+            time.sleep(0.5)  # the cache write lands in Redis
+        for i in range(2):
+            self._post(f"{pool} chat stream", "alpha", "/chat/completions",
+                       {"model": model, "messages": [{"role": "user", "content": f"round {round_no}, stream {i}"}],
+                        "max_tokens": 6, "stream": True, "ignore_eos": True}, {"x-task-id": f"{task}-failed"})
+
+    def errors(self) -> None:
+        self._post("context exceeded", "alpha", "/completions",
+                   {"model": MODELS["standard"], "prompt": "x", "max_tokens": 5000})
+        self._post("beta on highspeed", "beta", "/completions",
+                   {"model": MODELS["highspeed"], "prompt": "x", "max_tokens": 2})
+        for _ in range(3):  # beta's 2 requests a minute: the third of a round is refused (a round < 60 s)
+            self._post("beta standard", "beta", "/completions", {"model": MODELS["standard"], "prompt": "x", "max_tokens": 2})
+
+    def outcomes(self, round_no: int) -> None:
+        for pool in MODELS:
+            for suffix, outcome in (("ok", "success"), ("failed", "failure")):
+                r = httpx.post(f"{self.base}/tasks/{pool}-{round_no}-{suffix}", json={"outcome": outcome},
+                               headers={"Authorization": f"Bearer {self.keys['alpha']}"}, timeout=30)
+                self.codes.append((f"task {outcome}", r.status_code))
+
+    def round(self, round_no: int) -> None:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda p: self.served(p, round_no), MODELS))
+        self.errors()
+        self.outcomes(round_no)
+
+
+def promql(prom: str, expr: str) -> list[dict]:
+    r = httpx.get(f"{prom}/api/v1/query", params={"query": expr}, timeout=30)
+    body = r.json()
+    assert r.status_code == 200 and body["status"] == "success", (expr, r.status_code, body)
+    return body["data"]["result"]
+
+
+def regex_of(values: list[str]) -> str:
+    """A multi-value variable as Grafana formats it for Prometheus: ``(a|b)``, regex characters escaped."""
+    escaped = [re.sub(r"([\\.^$*+?()\[\]{}|])", r"\\\1", v) for v in values]
+    return "(" + "|".join(escaped) + ")"
+
+
+def substitute(expr: str, values: dict[str, str]) -> str:
+    names = sorted({**values, **INTERVALS}, key=len, reverse=True)  # $pool before $p
+    for name in names:
+        value = values.get(name) or INTERVALS[name]
+        expr = expr.replace("${" + name + "}", value).replace("$" + name, value)
+    assert "$" not in expr, f"unsubstituted variable in {expr}"
+    return expr
+
+
+def variable_values(prom: str, board: dict, known: dict[str, str]) -> dict[str, str]:
+    """Each query variable's values from its own ``label_values(selector, label)`` query (the
+    variables before it substituted), as regexes; ``known`` fills in the rest (``datasource``)."""
+    out = dict(known)
+    for v in board["templating"]["list"]:
+        if v["type"] != "query":
+            continue
+        m = re.fullmatch(r"label_values\((.*), (\w+)\)", v["query"])
+        assert m, v["query"]
+        selector, label = substitute(m.group(1), out), m.group(2)
+        r = httpx.get(f"{prom}/api/v1/series", params={"match[]": selector}, timeout=30).json()
+        values = sorted({s[label] for s in r["data"] if label in s})
+        assert values, f"variable {v['name']}: no values for {selector}"
+        out[v["name"]] = regex_of(values)
+    return out
+
+
+def run_panels(prom: str, name: str, board: dict, values: dict[str, str]) -> list[Result]:
+    results = []
+    for panel in board["panels"]:
+        for target in panel.get("targets", []):
+            series = promql(prom, substitute(target["expr"], values))
+            finite = [s for s in series if math.isfinite(float(s["value"][1]))]
+            sample = ""
+            if series:
+                s = (finite or series)[0]
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s["metric"].items()))
+                sample = f"{{{labels}}} {float(s['value'][1]):.4g}"
+            legend = set(re.findall(r"\{\{\s*(\w+)\s*\}\}", target["legendFormat"]))
+            by_labels = {tuple(sorted(s["metric"].items())): float(s["value"][1]) for s in series}
+            unlabelled = {label for s in series for label in legend if label not in s["metric"]}
+            results.append(Result(name, panel["title"], target["refId"], len(series), len(finite), sample, by_labels,
+                                  unlabelled))
+    return results
+
+
+def table(results: list[Result]) -> str:
+    width = max(len(r.panel) for r in results)
+    lines = [f"{'dashboard':20} {'panel':{width}} ref series finite  sample"]
+    lines += [f"{r.dashboard:20} {r.panel:{width}} {r.ref:3} {r.series:6} {r.finite:6}  {r.sample[:110]}"
+              for r in results]
+    return "\n".join(lines)
+
+
+def wait_for(prom: str, expr: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not promql(prom, expr):
+        assert time.monotonic() < deadline, f"no data for {expr} after {timeout_s:.0f} s"
+        time.sleep(SCRAPE_S)
+
+
+def test_every_panel_query_returns_data(tmp_path, capsys, record_property):
+    dashboards = load_builder()
+    keys = write_tenants(tmp_path / "tenants.yaml")
+    config = tmp_path / "platform.yaml"
+    config.write_text(yaml.safe_dump({"metrics": {"scrape_interval_s": SCRAPE_S, "usage_export_s": USAGE_EXPORT_S}}))
+    args = ["--config", str(config), "--tenants", str(tmp_path / "tenants.yaml"), "--expert-mode", "pool"]
+    with deltaserve_up(args, prometheus=True) as up:
+        prom, load = up.prometheus_url, Load(f"http://127.0.0.1:{up.http_port}/v1", keys)
+        load.round(1)
+        wait_for(prom, 'ray_deltaserve_requests_total{pool="highspeed", code="200"}')
+        time.sleep(3 * SCRAPE_S)  # every series of round 1 scraped at least once
+        load.round(2)
+        wait_for(prom, 'ray_deltaserve_tenant_tasks{tenant="alpha", outcome="succeeded"} >= 4')
+        time.sleep(3 * SCRAPE_S)
+
+        codes = sorted(set(load.codes))
+        assert codes == sorted({("standard completion", 200), ("highspeed completion", 200),
+                                ("standard chat stream", 200), ("highspeed chat stream", 200),
+                                ("context exceeded", 400), ("beta on highspeed", 403), ("beta standard", 200),
+                                ("beta standard", 429), ("task success", 200), ("task failure", 200)}), codes
+
+        results: list[Result] = []
+        for name in dashboards.DASHBOARDS:
+            board = json.loads(dashboards.render(name))
+            values = variable_values(prom, board, {"datasource": dashboards.PROMETHEUS_UID})
+            assert values["pool"] == "(highspeed|standard)" and values["cluster"] == "(local)", values
+            if "tenant" in values:
+                assert values["tenant"] == "(alpha|beta)", values
+            results += run_panels(prom, name, board, values)
+
+    report = table(results)
+    (tmp_path / "dashboard_queries.txt").write_text(report + "\n")
+    record_property("dashboard_queries", report)
+    with capsys.disabled():
+        print(f"\n{report}\n({len(results)} queries; also in {tmp_path / 'dashboard_queries.txt'})")
+    empty = [f"{r.dashboard} / {r.panel} / {r.ref}" for r in results if r.finite == 0]
+    assert not empty, f"queries without a finite value: {empty}\n{report}"
+    unlabelled = {f"{r.dashboard} / {r.panel} / {r.ref}": r.unlabelled for r in results if r.unlabelled}
+    assert not unlabelled, f"series without the labels their legend shows: {unlabelled}"
+    by_key = {(r.dashboard, r.panel, r.ref): r.values for r in results}
+    for key, expected in EXACT.items():
+        got = by_key[key]
+        assert set(got) == set(expected), (key, sorted(got))
+        assert {k: v for k, v in got.items() if expected[k] is not None} == \
+            {k: v for k, v in expected.items() if v is not None}, (key, got)

@@ -253,7 +253,8 @@ def overview() -> gdb.Dashboard:
     replicas: Row = ("Replicas and queues", [
         graph("Healthy replicas per deployment", "Ray Serve's ray_serve_deployment_replica_healthy: the pools' "
               "deployments, the ingress, the cache admin and the expert-pool shards",
-              [Target(f"sum by (application, deployment) (ray_serve_deployment_replica_healthy{{{PLATFORM_DEPLOYMENTS}}})",
+              [Target("sum by (application, deployment) "
+                      f"(ray_serve_deployment_replica_healthy{{{PLATFORM_DEPLOYMENTS}}})",
                       "{{deployment}}")], "short", width=8),
         graph("Requests queued for a replica", "Ray Serve's ray_serve_deployment_queued_queries: requests its handles "
               "hold for a busy replica, per deployment",

@@ -115,7 +115,7 @@ class Load:
     def served(self, pool: str, round_no: int) -> None:
         model = MODELS[pool]
         task = f"{pool}-{round_no}"
-        for i in range(2):  # the same prompt: the second one reuses the first one's cached state
+        for _ in range(2):  # the same prompt: the second one reuses the first one's cached state
             self._post(f"{pool} completion", "alpha", "/completions",
                        {"model": model, "prompt": SHARED_PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True},
                        {"x-task-id": f"{task}-ok"})
@@ -131,7 +131,8 @@ class Load:
         self._post("beta on highspeed", "beta", "/completions",
                    {"model": MODELS["highspeed"], "prompt": "x", "max_tokens": 2})
         for _ in range(3):  # beta's 2 requests a minute: the third of a round is refused (a round < 60 s)
-            self._post("beta standard", "beta", "/completions", {"model": MODELS["standard"], "prompt": "x", "max_tokens": 2})
+            self._post("beta standard", "beta", "/completions",
+                       {"model": MODELS["standard"], "prompt": "x", "max_tokens": 2})
 
     def outcomes(self, round_no: int) -> None:
         for pool in MODELS:

@@ -199,8 +199,8 @@ def test_every_latency_panel_links_to_its_pools_traces(name):
         (query,) = panes[0]["queries"]
         pane = panes[0]
         assert query["queryType"] == "traceql"
-        assert re.fullmatch(r'\{name="(ingress|prefill|decode)" && span\.deltaserve\.pool="\$\{__field\.labels\.pool\}"\}',
-                            query["query"]), query["query"]
+        pattern = r'\{name="(ingress|prefill|decode)" && span\.deltaserve\.pool="\$\{__field\.labels\.pool\}"\}'
+        assert re.fullmatch(pattern, query["query"]), query["query"]
         assert pane["range"] == {"from": "${__from}", "to": "${__to}"}
         for t in p["targets"]:
             assert "pool" in re.search(r"by \(([^)]*)\)", t["expr"]).group(1).split(", "), t["expr"]
@@ -230,7 +230,8 @@ def test_queries_use_catalog_metrics_and_their_labels(name):
             elif spec is None:
                 assert base.startswith("serve_") and _serve_metric_defined(base), f"{panel['title']}: {metric}"
                 serve_metrics.add(base)
-            labels = (set(spec.labels) if spec else set()) | SERVE_LABELS | ({"le"} if base.endswith("_bucket") else set())
+            labels = (set(spec.labels) if spec else set()) | SERVE_LABELS
+            labels |= {"le"} if base.endswith("_bucket") else set()
             assert set(MATCHER.findall(matchers)) <= labels, (panel["title"], metric, matchers)
             allowed_by |= labels
         assert by <= allowed_by, (panel["title"], expr)

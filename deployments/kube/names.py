@@ -111,9 +111,10 @@ def tcp_probe(port: int | str, *, period_s: int = 10, failures: int = 3, delay_s
             "failureThreshold": failures, "timeoutSeconds": 2}
 
 
-def http_probe(path: str, port: int | str, *, period_s: int = 10, failures: int = 3, delay_s: int = 5) -> dict:
+def http_probe(path: str, port: int | str, *, period_s: int = 10, failures: int = 3, delay_s: int = 5,
+               timeout_s: int = 2) -> dict:
     return {"httpGet": {"path": path, "port": port}, "initialDelaySeconds": delay_s, "periodSeconds": period_s,
-            "failureThreshold": failures, "timeoutSeconds": 2}
+            "failureThreshold": failures, "timeoutSeconds": timeout_s}
 
 
 def exec_probe(script: str, *, period_s: int = 10, failures: int = 3, delay_s: int = 5, timeout_s: int = 2) -> dict:

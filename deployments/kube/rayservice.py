@@ -82,6 +82,7 @@ class Overlay:
     head: Resources
     groups: tuple[WorkerGroup, ...]
     trace_ratio: float  # OTEL_TRACES_SAMPLER_ARG (parent-based ratio: a client's sampled traceparent wins)
+    image_variant: str = ""  # image tag suffix: "-gpu" for the image built on Ray's GPU image (k8s/image/Dockerfile)
 
     @property
     def pinned(self) -> bool:
@@ -132,7 +133,7 @@ def gpu_overlay(config: PlatformConfig) -> Overlay:
                               tolerations=(GPU_TOLERATION,),
                               ports=tuple((f"expert-{s}", EXPERT_PORT + s) for s in range(config.expert_shards))))
     return Overlay("gpu", "production shape: GPU worker groups per pool's prefill and decode and for the expert pool",
-                   config, head=Resources(4, "16Gi", "2Gi"), groups=tuple(groups), trace_ratio=0.1)
+                   config, head=Resources(4, "16Gi", "2Gi"), groups=tuple(groups), trace_ratio=0.1, image_variant="-gpu")
 
 
 def serve_config(overlay: Overlay) -> dict:
@@ -170,8 +171,9 @@ def ray_env(overlay: Overlay) -> list[dict]:
     from deployments.cli.up import serve_env
 
     plain = dict(sorted(serve_env(overlay.config).items()))
+    # (no OTEL_SERVICE_NAME: each replica names its own service, deltaserve-ingress, deltaserve-decode-standard, ...)
     plain.update({"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{n.COLLECTOR}:{n.OTLP_GRPC_PORT}",
-                  "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_SERVICE_NAME": "deltaserve",
+                  "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
                   "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": str(overlay.trace_ratio),
                   "RAY_USAGE_STATS_ENABLED": "0", "HOME": "/tmp", "DELTASERVE_KERNEL_CACHE": "/tmp/deltaserve-kernels"})
     return ([n.secret_env("REDIS_PASSWORD", n.REDIS_SECRET, "password"),
@@ -191,23 +193,22 @@ def _volumes(overlay: Overlay, shm: str) -> tuple[list[dict], list[dict]]:
     return volumes, mounts
 
 
-def _healthz(url: str) -> str:
-    return f"wget -T 2 -q -O- {url} | grep success"
+# The dashboard agent's health endpoint on every Ray pod (public under token auth; the agent listens
+# on the pod IP): the raylet's health, and on the head the GCS's too.
+HEALTH_PATH = "/api/healthz"
 
 
-RAYLET_HEALTH = _healthz(f"http://localhost:{n.RAY_AGENT_PORT}/api/local_raylet_healthz")
-GCS_HEALTH = _healthz(f"http://localhost:{n.RAY_DASHBOARD_PORT}/api/gcs_healthz")
-
-
-def _pod(overlay: Overlay, kind: str, resources: Resources, ports: list[tuple[str, int]], health: str,
+def _pod(overlay: Overlay, kind: str, resources: Resources, ports: list[tuple[str, int]],
          node_selector: dict | None = None, tolerations: tuple[dict, ...] = ()) -> dict:
     volumes, mounts = _volumes(overlay, resources.shm)
     container = {"name": f"ray-{kind}", "image": n.IMAGE, "imagePullPolicy": "IfNotPresent",
                  "ports": [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in ports],
                  "env": ray_env(overlay), "resources": resources.spec(), "volumeMounts": mounts,
                  # Ray restarts are costly: readiness reacts in seconds, liveness only after ten minutes
-                 "readinessProbe": n.exec_probe(health, period_s=5, failures=10, delay_s=10, timeout_s=5),
-                 "livenessProbe": n.exec_probe(health, period_s=5, failures=120, delay_s=30, timeout_s=5),
+                 "readinessProbe": n.http_probe(HEALTH_PATH, "dashboard-agent", period_s=5, failures=10, delay_s=10,
+                                                timeout_s=5),
+                 "livenessProbe": n.http_probe(HEALTH_PATH, "dashboard-agent", period_s=5, failures=120, delay_s=30,
+                                               timeout_s=5),
                  "securityContext": n.container_security()}
     spec = {"serviceAccountName": n.RAY, "automountServiceAccountToken": False,
             "securityContext": n.pod_security(RAY_UID, RAY_GID), "containers": [container], "volumes": volumes}
@@ -228,7 +229,7 @@ def head_group(overlay: Overlay) -> dict:
              ("dashboard-agent", n.RAY_AGENT_PORT)] + _serve_ports(overlay.config)
     return {"rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0",
                                "metrics-export-port": str(overlay.config.metrics.export_port)},
-            "template": _pod(overlay, "head", overlay.head, ports, f"{RAYLET_HEALTH} && {GCS_HEALTH}")}
+            "template": _pod(overlay, "head", overlay.head, ports)}
 
 
 def worker_group(overlay: Overlay, group: WorkerGroup) -> dict:
@@ -240,8 +241,7 @@ def worker_group(overlay: Overlay, group: WorkerGroup) -> dict:
     if group.deployments:
         spec["resources"] = {group.ray_resource: str(group.slots)}
     ports = [("dashboard-agent", n.RAY_AGENT_PORT)] + _serve_ports(overlay.config) + list(group.ports)
-    spec["template"] = _pod(overlay, "worker", group.resources, ports, RAYLET_HEALTH, group.node_selector,
-                            group.tolerations)
+    spec["template"] = _pod(overlay, "worker", group.resources, ports, group.node_selector, group.tolerations)
     return spec
 
 

@@ -137,7 +137,7 @@ def overlay_tree(overlay: rayservice.Overlay) -> dict[str, bytes]:
                      # the platform's image: build it with k8s/image/Dockerfile, then
                      # `kustomize edit set image deltaserve=REGISTRY/deltaserve:TAG` here
                      "images": [{"name": n.IMAGE, "newName": n.IMAGE,
-                                 "newTag": importlib.metadata.version("deltaserve")}]}
+                                 "newTag": importlib.metadata.version("deltaserve") + overlay.image_variant}]}
     header = f"# overlay {overlay.name}: {overlay.purpose}\n".encode()
     return {"kustomization.yaml": header + dump(kustomization),
             "rayservice.yaml": dump(rayservice.rayservice(overlay)),

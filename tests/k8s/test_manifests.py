@@ -217,7 +217,7 @@ def test_head_runs_no_replica_and_every_group_exports_metrics(overlay):
         [container] = group["template"]["spec"]["containers"]
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert ports["metrics"] == CONFIG.metrics.export_port
-        assert container["image"] == f"{n.IMAGE}:0.1.0"
+        assert container["image"] == f"{n.IMAGE}:0.1.0" + ("-gpu" if name == "gpu" else "")
     for pm in kind(objs, "PodMonitor"):
         assert [e["port"] for e in pm["spec"]["podMetricsEndpoints"]] == ["metrics"]
 

@@ -48,11 +48,30 @@ class UpProcess:
     proc: subprocess.Popen
     http_port: int
     grpc_port: int
+    metrics_export_port: int  # Ray's metrics export port (a free one per run, never 8085)
+    prometheus_port: int | None  # the embedded Prometheus (a free one, never 9090); None: --no-prometheus
     output: list[str] = field(default_factory=list)  # every line it printed so far (stdout and stderr)
+
+    @property
+    def prometheus_url(self) -> str:
+        assert self.prometheus_port is not None, "started with --no-prometheus (pass prometheus=True)"
+        return f"http://127.0.0.1:{self.prometheus_port}"
 
     def descendants(self) -> list[int]:
         """Pids of every process under it (Ray's GCS, raylet, workers, Serve's proxies and replicas)."""
         return descendants(self.proc.pid)
+
+    def prometheus_pids(self) -> list[int]:
+        """Pids of the prometheus processes under it (the embedded Prometheus: one, or none with --no-prometheus)."""
+        pids = []
+        for pid in self.descendants():
+            try:
+                argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            except OSError:
+                continue
+            if Path(argv0).name == "prometheus":
+                pids.append(pid)
+        return pids
 
     def ray_session_dir(self) -> Path:
         """The session directory of the Ray cluster this process started (from its raylet's command line)."""
@@ -83,16 +102,21 @@ def run_up(args: list[str], env: dict[str, str] | None = None, timeout_s: float 
 
 
 @contextlib.contextmanager
-def deltaserve_up(args: list[str], env: dict[str, str] | None = None, ready_s: float = 300) -> Iterator[UpProcess]:
-    """A running `deltaserve up ARGS` on free HTTP and gRPC ports, stopped with Ctrl-C on exit (which
-    must then exit 0)."""
-    http_port, grpc_port = find_free_port(), find_free_port()
+def deltaserve_up(args: list[str], env: dict[str, str] | None = None, ready_s: float = 300,
+                  prometheus: bool = False) -> Iterator[UpProcess]:
+    """A running `deltaserve up ARGS` on free HTTP, gRPC and Ray metrics export ports, stopped with
+    Ctrl-C on exit (which must then exit 0). ``prometheus``: with the embedded Prometheus on a free
+    port (else ``--no-prometheus``), so parallel platforms never share 8085 or 9090."""
+    http_port, grpc_port, metrics_port = find_free_port(), find_free_port(), find_free_port()
+    prometheus_port = find_free_port() if prometheus else None
+    ports = ["--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-export-port", str(metrics_port)]
+    ports += ["--prometheus-port", str(prometheus_port)] if prometheus else ["--no-prometheus"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deployments.cli.main", "up", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-         *args], cwd=ROOT, env=_env(env or {}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [sys.executable, "-m", "deployments.cli.main", "up", *ports, *args], cwd=ROOT, env=_env(env or {}),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()
-    up = UpProcess(proc, http_port, grpc_port)
+    up = UpProcess(proc, http_port, grpc_port, metrics_port, prometheus_port)
     try:
         deadline = time.monotonic() + ready_s
         while not any(ln.lstrip().startswith("curl ") for ln in up.output):
@@ -102,6 +126,9 @@ def deltaserve_up(args: list[str], env: dict[str, str] | None = None, ready_s: f
                 up.output.append(lines.get(timeout=1))
             except queue.Empty:
                 pass
+        if not prometheus:  # --no-prometheus: the ready line says so and no prometheus process runs under it
+            ready = next(ln for ln in up.output if ln.startswith("deltaserve: ready"))
+            assert "Prometheus: off" in ready and not up.prometheus_pids(), ready
         yield up
     finally:
         proc.send_signal(signal.SIGINT)

@@ -1,0 +1,143 @@
+"""The Prometheus `deltaserve up` embeds (deployments/observability/prometheus.py), against a real
+`deltaserve up`, Ray's metrics agent and Debian's prometheus: its URL on the ready line, Ray's
+targets discovered and up, the project's rule groups loaded, Serve's own series queryable, and
+nothing left running after Ctrl-C; ``--no-prometheus`` and a missing binary start none."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from deployments.config import MetricsConfig, PlatformConfig
+from deployments.observability.prometheus import CONFIG_FILE, RULES_DIR, EmbeddedPrometheus, PrometheusUnavailable
+from tests.deployments.up_process import deltaserve_up
+
+pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None, reason="Debian's prometheus is not installed "
+                                "(apt-get install prometheus; `make serve` does as root)")
+
+
+def _prometheus_pids(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+        except OSError:
+            continue
+        if Path(argv0.decode(errors="replace")).name == "prometheus":
+            out.append(pid)
+    return out
+
+
+def _api(url: str, path: str, **params) -> dict | list:
+    r = httpx.get(f"{url}/api/v1/{path}", params=params, timeout=10)
+    assert r.status_code == 200, (path, r.status_code, r.text)
+    body = r.json()
+    assert body["status"] == "success", body
+    return body["data"]
+
+
+def _wait_for(what: str, probe, timeout_s: float = 60):
+    """``probe()`` until it returns something truthy (returned), polling every second."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = probe()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"{what}: not after {timeout_s:.0f} s (last: {got!r})"
+        time.sleep(1)
+
+
+def test_deltaserve_up_embeds_prometheus_scraping_ray(tmp_path):
+    config = PlatformConfig()
+    expected_groups = sorted(g["name"] for f in sorted(RULES_DIR.glob("*.yml"))
+                             for g in yaml.safe_load(f.read_text())["groups"])
+    with deltaserve_up(["--tenants", str(tmp_path / "tenants.yaml"), "--no-cache"], prometheus=True) as up:
+        url = up.prometheus_url
+        ready = next(ln for ln in up.output if ln.startswith("deltaserve: ready"))
+        assert f"Prometheus: {url}" in ready, ready
+        prometheus = up.prometheus_pids()
+        assert len(prometheus) == 1, f"prometheus processes under deltaserve up: {prometheus}"
+
+        # Prometheus reads Ray's own discovery file in this Ray session, and the rendered config is the
+        # committed one with only the session's file, the rules path and the scrape interval changed
+        discovery = up.ray_session_dir() / "prom_metrics_service_discovery.json"
+        rendered = yaml.safe_load((up.ray_session_dir() / "prometheus" / "prometheus.yml").read_text())
+        assert rendered["scrape_configs"][0]["file_sd_configs"] == [{"files": [str(discovery)]}]
+        assert rendered["rule_files"] == [str(RULES_DIR.resolve() / "*.yml")]
+        committed = yaml.safe_load(CONFIG_FILE.read_text())
+        for cfg in (committed, rendered):
+            del cfg["scrape_configs"][0]["file_sd_configs"], cfg["rule_files"], cfg["global"]["scrape_interval"]
+        assert rendered == committed
+
+        # every address Ray lists is a target of job "ray"; the node's metrics agent is on the port we chose, up
+        listed = {t for group in json.loads(discovery.read_text()) for t in group["targets"]}
+        node_target = _wait_for("Ray's metrics agent scraped", lambda: next(
+            (t for t in _api(url, "targets")["activeTargets"]
+             if t["labels"]["instance"].endswith(f":{up.metrics_export_port}") and t["health"] == "up"), None))
+        assert node_target["labels"]["job"] == "ray" and node_target["labels"]["cluster"] == "local"
+        targets = _api(url, "targets")["activeTargets"]
+        assert {t["labels"]["instance"] for t in targets} == listed
+
+        groups = _api(url, "rules")["groups"]
+        assert sorted(g["name"] for g in groups) == expected_groups
+        assert all(r["health"] in ("ok", "unknown") for g in groups for r in g["rules"]), groups
+
+        # Serve's own replica health, as the DeltaserveReplicasUnhealthy alert reads it: every prefill and decode
+        # deployment counts exactly its configured replicas healthy, and targets that many
+        def healthy() -> dict[str, float]:
+            rows = _api(url, "query", query="sum by (deployment) (ray_serve_deployment_replica_healthy)")["result"]
+            got = {r["metric"]["deployment"]: float(r["value"][1]) for r in rows}
+            return got if all(got.get(d) == n for d, n in config.replica_counts().items()) else {}
+
+        got = _wait_for("every deployment's replicas healthy in ray_serve_deployment_replica_healthy", healthy)
+        assert {d: got[d] for d in config.replica_counts()} == config.replica_counts()
+        rows = _api(url, "query", query="max by (deployment) (ray_serve_autoscaling_target_replicas)")["result"]
+        targets_by_deployment = {r["metric"]["deployment"]: float(r["value"][1]) for r in rows}
+        assert {d: targets_by_deployment.get(d) for d in config.replica_counts()} == config.replica_counts()
+        port = up.prometheus_port
+    assert _prometheus_pids(prometheus) == [], "prometheus still running after Ctrl-C"
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/-/ready", timeout=2)
+
+
+def test_no_prometheus_flag_turns_it_off(tmp_path):
+    """The flag reaches the config `up` starts from. That a real `deltaserve up --no-prometheus` then runs no
+    prometheus and says "Prometheus: off" is asserted by tests.deployments.up_process.deltaserve_up on every
+    platform test that starts one without ``prometheus=True``."""
+    import argparse
+
+    from deployments.cli import up
+
+    parser = argparse.ArgumentParser()
+    up.add_up_parser(parser.add_subparsers())
+    common = ["up", "--tenants", str(tmp_path / "tenants.yaml"), "--no-cache"]
+    config, _ = up._load_config(parser.parse_args(common + ["--no-prometheus"]))
+    assert config.metrics.prometheus is False
+    config, _ = up._load_config(parser.parse_args(common + ["--prometheus-port", "19090", "--metrics-export-port", "18085"]))
+    assert (config.metrics.prometheus, config.metrics.prometheus_port, config.metrics.export_port) == (True, 19090, 18085)
+
+
+def test_missing_prometheus_binary_is_a_clear_error_and_starts_nothing():
+    """No Ray needed: the binary is looked up before anything starts; `deltaserve up` prints this
+    as a warning and runs without Prometheus (deployments.cli.up._start_prometheus)."""
+    embedded = EmbeddedPrometheus(MetricsConfig(), binary="no-such-prometheus-binary")
+    with pytest.raises(PrometheusUnavailable, match=r"'no-such-prometheus-binary' not found on PATH; install it with"):
+        embedded.start()
+    assert embedded.discovery is None and embedded.url is None
+
+
+def test_up_warns_and_goes_on_without_prometheus(capsys, monkeypatch):
+    from deployments.cli import up
+
+    monkeypatch.setenv("PATH", "/nonexistent")  # no prometheus on PATH
+    assert up._start_prometheus(MetricsConfig()) is None
+    err = capsys.readouterr().err
+    assert err.startswith("deltaserve: warning: no local Prometheus: 'prometheus' not found on PATH"), err
+    assert up._start_prometheus(MetricsConfig(prometheus=False)) is None
+    assert capsys.readouterr().err == ""

@@ -15,6 +15,12 @@ system-deps:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
 	  else echo "warning: redis-server not found and not root: install it (apt-get install redis-server)"; fi; \
 	fi
+	@if ! command -v prometheus >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing prometheus (apt): the local Prometheus deltaserve up starts"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
+	  else echo "warning: prometheus not found and not root: deltaserve up runs without its local Prometheus (apt-get install prometheus)"; fi; \
+	fi
 	@if ! command -v cc >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    echo "installing a C compiler for the native CPU kernels (apt)"; \

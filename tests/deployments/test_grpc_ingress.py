@@ -515,4 +515,4 @@ def test_reflection_lists_and_describes_the_service(channel):
 
     fdp = descriptor_pb2.FileDescriptorProto.FromString(files[0])
     assert fdp.name == "deltaserve/v1/inference.proto" and fdp.package == "deltaserve.v1"
-    assert [m.name for m in fdp.service[0].method] == ["Generate", "GenerateStream", "ListModels"]
+    assert [m.name for m in fdp.service[0].method] == ["Generate", "GenerateStream", "ListModels", "ReportTaskOutcome"]

@@ -176,3 +176,38 @@ def test_the_openapi_document_has_the_task_route(priced):
     op = doc["paths"]["/v1/tasks/{task_id}"]["post"]
     schema = doc["components"]["schemas"][op["requestBody"]["content"]["application/json"]["schema"]["$ref"].split("/")[-1]]
     assert schema["properties"]["outcome"]["enum"] == ["success", "failure"]
+
+
+def test_what_a_failed_request_costs(priced):
+    """Failed after its first token (FaultyBackend: decode fails after its first chunk): charged for its prompt and
+    the tokens produced, in its task; failed in prefill (no token): counted as a failed request, charged nothing."""
+    from tests.deployments.gateway.conftest import FaultyBackend
+
+    served = priced.served
+    ledger = UsageLedger(None)
+    config = PlatformConfig()
+    faulty = Frontend(model_name=MODEL, pools=["standard"], tokenizer=load_tokenizer(MODEL),
+                      registry=served.frontend.registry, backend=FaultyBackend(served.backend),
+                      max_model_len=config.max_model_len, observers=[ledger], prices=prices_of(config.pools))
+    produced = []
+
+    async def run(prompt: str, task: str) -> None:
+        from deployments.gateway.protocol import CompletionInput, TextDelta
+
+        inp = CompletionInput(model=MODEL, prompt=prompt, max_tokens=50, temperature=0, ignore_eos=True, task_id=task)
+        with pytest.raises(Exception):
+            async for ev in faulty.complete(served.key, inp):
+                if isinstance(ev, TextDelta):
+                    produced.extend(ev.token_ids)
+
+    served.run(run("cut off mid-stream", "f-1"))
+    served.run(run("boom-prefill now", "f-2"))
+    row = ledger.report("alice")["tenants"]["alice"]["pools"]["standard"]
+    n_prompt = len(load_tokenizer(MODEL).encode("cut off mid-stream"))
+    assert len(produced) >= 1
+    i, _, o = PRICE["standard"]
+    assert (row["requests"], row["failed_requests"]) == (2, 2)
+    assert row["tokens"] == {"input": n_prompt, "cached": 0, "output": len(produced)}
+    assert row["cost_pico_usd"] == row["task_cost_pico_usd"] == n_prompt * i + len(produced) * o
+    assert ledger.report_outcome("alice", "f-2", "failure").cost_pico == 0  # named, so known; charged nothing
+    assert ledger.report_outcome("alice", "f-1", "failure").cost_pico == n_prompt * i + len(produced) * o

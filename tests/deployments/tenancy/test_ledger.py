@@ -210,3 +210,29 @@ def test_export_gauges_and_cost_counter(url):
         float(Fraction(c["t1"] + c["t2_std"] + c["t2_hs"] + c["t3"], 10**12))
     spent = snap[("deltaserve_cost_usd_total", (("model", "k3-tiny"), ("pool", "highspeed"), ("tenant", "acme")))][0]
     assert spent == c["t2_hs"] / 1e12
+
+
+def test_the_exporter_sets_the_gauges_every_interval(url):
+    from deployments.tenancy.ledger import UsageExporter
+
+    metrics.reset()
+    clock = Clock()
+    a = ledger(url, clock)
+    a.request_done(Rec("acme", "standard", STD.cost(10, 0, 2), "job"))
+    exporter = UsageExporter(ledger(url, clock), interval_s=0.05).start()  # another process's view of the same Redis
+    try:
+        deadline = time.monotonic() + 10
+        while exporter.exports < 2:
+            assert time.monotonic() < deadline, "the exporter did not run"
+            time.sleep(0.02)
+        a.report_outcome("acme", "job", "success")
+        seen = exporter.exports
+        while exporter.exports < seen + 2:
+            assert time.monotonic() < deadline, "the exporter stopped"
+            time.sleep(0.02)
+    finally:
+        exporter.stop()
+    snap = metrics.snapshot()
+    assert snap[("deltaserve_tenant_tasks", (("outcome", "succeeded"), ("tenant", "acme")))] == [1]
+    assert snap[("deltaserve_tenant_cost_per_successful_task_usd", (("tenant", "acme"),))] == \
+        [(10 * 600_000 + 2 * 2_500_000) / 1e12]

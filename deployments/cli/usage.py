@@ -65,18 +65,24 @@ def format_report(report: dict) -> str:
     window = "all time" if since is None else \
         f"since {datetime.fromtimestamp(report['window_start'], timezone.utc):%Y-%m-%d %H:%M} UTC (hourly buckets)"
     where = f"Redis {report['redis_url']}" if report["source"] == "redis" else "in-process (this ingress replica)"
-    rows = [list(COLUMNS)]
-    for tenant, t in sorted(report["tenants"].items()):
-        rows += [_row(tenant, pool, r) for pool, r in sorted(t["pools"].items())]
-        rows.append(_row(tenant, "all", t["total"]))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
-    lines = [f"usage {window}, from {where}"]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    if not report["tenants"]:
-        lines.append("(no usage recorded)")
+    lines = [f"usage {window}, from {where}", *_table(report["tenants"])]
+    if report.get("in_process"):
+        lines += ["counted in this ingress replica while Redis was unavailable (not in the figures above):",
+                  *_table(report["in_process"])]
     if report.get("note"):
         lines.append(f"note: {report['note']}")
     return "\n".join(lines)
+
+
+def _table(tenants: dict) -> list[str]:
+    if not tenants:
+        return ["(no usage recorded)"]
+    rows = [list(COLUMNS)]
+    for tenant, t in sorted(tenants.items()):
+        rows += [_row(tenant, pool, r) for pool, r in sorted(t["pools"].items())]
+        rows.append(_row(tenant, "all", t["total"]))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
 def _usage(args: argparse.Namespace) -> int:

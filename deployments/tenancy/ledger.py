@@ -378,50 +378,41 @@ class UsageLedger:
             hashes, opened = [_pairs(h) for h in reply[:len(hash_keys)]], [int(n) for n in reply[len(hash_keys):]]
         return tenant_summary(hashes, opened, self.pools)
 
+    def _rows(self, names: list[str], since_s: float | None, now: float, local: bool) -> dict | None:
+        """Each tenant's report from Redis (None once Redis fails) or from this process (``local``)."""
+        rows = {}
+        for name in names:
+            row = self._read(name, since_s, now, local)
+            if row is None:
+                return None
+            rows[name] = row
+        return rows
+
     def report(self, tenant: str | None = None, since_s: float | None = None) -> dict:
         """Per tenant (``tenant``: only that one) and pool: requests, tokens, cost, tasks and cost per successful
         task, all-time or over the hourly buckets that overlap the last ``since_s`` seconds. ``source``: "redis"
         (shared by every ingress replica), or "in-process" (this replica since its start: no Redis configured, or
-        Redis unavailable now); ``in_process``: what this replica counted locally while Redis was unavailable."""
+        Redis unavailable now, said in ``note``); ``in_process``: what this replica counted locally while Redis
+        was unavailable (beside the Redis figures, not in them)."""
         now = self.clock()
-        names = self._tenants()
-        use_redis = names is not None and self.store is not None
-        if not use_redis:
-            with self._lock:
-                names = self.local.tenants()
-        if tenant is not None:
-            names = [tenant]
-        tenants = {}
-        for name in names:
-            row = self._read(name, since_s, now, local=not use_redis)
-            if row is None:  # Redis went away mid-report
-                return self._local_report(tenant, since_s, now, "Redis became unavailable during the report")
-            tenants[name] = row
-        out = {"source": "redis" if use_redis else "in-process", "redis_url": self.store.url if self.store else None,
+        shared = None
+        if self.store is not None:
+            names = self._tenants() if tenant is None else [tenant]
+            shared = None if names is None else self._rows(names, since_s, now, local=False)
+        with self._lock:
+            local_names = self.local.tenants() if tenant is None else [tenant]
+        local = self._rows(local_names, since_s, now, local=True)
+        out = {"source": "in-process" if shared is None else "redis", "redis_url": self.store.url if self.store else None,
                "since_s": since_s, "now": now, "window_start": None if since_s is None else hour_of(now - since_s),
-               "task_ttl_s": self.task_ttl_s, "tenants": tenants, "fallbacks": self.fallbacks}
-        if not use_redis:
+               "task_ttl_s": self.task_ttl_s, "fallbacks": self.fallbacks, "tenants": local if shared is None else shared}
+        if shared is None:
             out["note"] = ("no Redis configured" if self.store is None else "Redis unavailable") + \
                 ": figures of this ingress replica since it started"
         elif self.fallbacks:
-            with self._lock:
-                local_names = self.local.tenants() if tenant is None else [tenant]
-                out["in_process"] = {n: tenant_summary(*self.local.read(self._hash_keys(n, since_s, now),
-                                                                        [key(n, "open")] + [key(n, "open", p) for p in self.pools],
-                                                                        now - self.task_ttl_s, now), self.pools)
-                                     for n in local_names}
-            out["note"] = (f"{self.fallbacks} requests or reports were counted in this ingress replica while Redis "
-                           "was unavailable: they are under in_process, not in the shared figures")
+            out["in_process"] = local
+            out["note"] = (f"{self.fallbacks} requests or task reports were counted in this ingress replica while "
+                           "Redis was unavailable: they are under in_process, not in the shared figures")
         return out
-
-    def _local_report(self, tenant: str | None, since_s: float | None, now: float, why: str) -> dict:
-        with self._lock:
-            names = self.local.tenants() if tenant is None else [tenant]
-        tenants = {n: self._read(n, since_s, now, local=True) for n in names}
-        return {"source": "in-process", "redis_url": self.store.url if self.store else None, "since_s": since_s,
-                "now": now, "window_start": None if since_s is None else hour_of(now - since_s),
-                "task_ttl_s": self.task_ttl_s, "tenants": tenants, "fallbacks": self.fallbacks,
-                "note": f"{why}: figures of this ingress replica since it started"}
 
 
 def make_ledger(redis_url: str | None, pools: tuple[str, ...] = POOLS, *, timeout_s: float = 0.05) -> UsageLedger:

@@ -236,3 +236,42 @@ def test_the_exporter_sets_the_gauges_every_interval(url):
     assert snap[("deltaserve_tenant_tasks", (("outcome", "succeeded"), ("tenant", "acme")))] == [1]
     assert snap[("deltaserve_tenant_cost_per_successful_task_usd", (("tenant", "acme"),))] == \
         [(10 * 600_000 + 2 * 2_500_000) / 1e12]
+
+
+def test_the_usage_command_reads_the_ledger_in_redis(url, capsys):
+    import json
+
+    from deployments.cli.main import main
+    from deployments.cli.usage import format_report, parse_since
+
+    clock = Clock(time.time())  # the command reads with the real clock
+    a = ledger(url, clock)
+    day(a, a, clock)
+    assert main(["usage", "--redis-url", url, "--json"]) == 0
+    check_day(json.loads(capsys.readouterr().out))
+    assert main(["usage", "--redis-url", url, "--tenant", "other"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith("usage all time, from Redis redis://127.0.0.1:")
+    assert table[2].split() == ["other", "standard", "1", "0", "7", "0", "1", "0.000006700000", "0", "0", "1", "-"]
+    assert main(["usage", "--redis-url", url, "--since", "0h"]) == 2
+    assert "--since must be a positive duration like 90s, 30m, 24h or 7d, got '0h'" in capsys.readouterr().err
+    assert main(["usage", "--redis-url", url, "--tenant", "Not A Slug"]) == 2
+    assert (parse_since("90s"), parse_since("1.5h"), parse_since("7d")) == (90.0, 5400.0, 604800.0)
+    # what this replica held while Redis was down is shown beside the shared figures, not in them
+    raw = redis.Redis.from_url(url)
+    raw.flushall()
+    raw.close()
+    b = ledger(url, clock)
+    b.request_done(Rec("acme", "standard", STD.cost(10, 0, 2)))
+    b.store.breaker.record_failure()  # open: the next call does not reach Redis
+    b.request_done(Rec("acme", "standard", STD.cost(20, 0, 4)))
+    b.store.breaker.record_success()  # closed again
+    report = b.report()
+    assert report["source"] == "redis" and report["fallbacks"] == 1
+    assert report["tenants"]["acme"]["total"]["cost_pico_usd"] == 10 * 600_000 + 2 * 2_500_000
+    assert report["in_process"]["acme"]["total"]["cost_pico_usd"] == 20 * 600_000 + 4 * 2_500_000
+    text = format_report(report).splitlines()
+    assert text[4] == "counted in this ingress replica while Redis was unavailable (not in the figures above):"
+    assert text[6].split()[:3] == ["acme", "standard", "1"] and text[6].split()[7] == "0.000022000000"
+    assert text[-1] == ("note: 1 requests or task reports were counted in this ingress replica while Redis was "
+                        "unavailable: they are under in_process, not in the shared figures")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import time
 from pathlib import Path
 
@@ -84,9 +85,20 @@ def test_deltaserve_up_embeds_prometheus_scraping_ray(tmp_path):
         targets = _api(url, "targets")["activeTargets"]
         assert {t["labels"]["instance"] for t in targets} == listed
 
-        groups = _api(url, "rules")["groups"]
+        # Prometheus listens on loopback only: the node's own address (where Ray's agent listens) refuses it
+        node_ip = node_target["labels"]["instance"].rsplit(":", 1)[0]
+        if node_ip != "127.0.0.1":
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection((node_ip, up.prometheus_port), timeout=2).close()
+
+        # the project's rule groups, each evaluated once against Ray's series without an error
+        def evaluated() -> list[dict] | None:
+            groups = _api(url, "rules")["groups"]  # a group not evaluated yet reads 0001-01-01T00:00:00Z
+            return groups if all(not g["lastEvaluation"].startswith("0001-") for g in groups) else None
+
+        groups = _wait_for("every rule group evaluated", evaluated)
         assert sorted(g["name"] for g in groups) == expected_groups
-        assert all(r["health"] in ("ok", "unknown") for g in groups for r in g["rules"]), groups
+        assert sorted(r.get("lastError", "") for g in groups for r in g["rules"] if r["health"] != "ok") == []
 
         # Serve's own replica health, as the DeltaserveReplicasUnhealthy alert reads it: every prefill and decode
         # deployment counts exactly its configured replicas healthy, and targets that many

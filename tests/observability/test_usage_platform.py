@@ -6,7 +6,9 @@ The day: tenant alice runs a task that succeeds on standard (two HTTP requests a
 on both pools that succeeds with a conversation resumed from the cache (so cached prompt tokens are charged
 at the cached price), a task that fails, a task left open on highspeed, and one request outside any task;
 tenant bob runs one task that succeeds (reported over gRPC) and cannot report alice's task (404). Every
-response's ``usage.cost`` equals the hand computation too.
+response's ``usage.cost`` equals the hand computation too, and Ray's metrics export port shows the same
+figures as the ``deltaserve_tenant_*`` gauges (cache-admin exports them every second here) and the
+``deltaserve_cost_usd_total`` counter.
 """
 
 from __future__ import annotations
@@ -126,6 +128,28 @@ def gcs_address(up) -> str:
     raise AssertionError("no process with --gcs-address under deltaserve up")
 
 
+def scrape(up, name: str) -> dict[str, float]:
+    """``ray_<name>`` samples on Ray's metrics export port, by tenant (summed over the other labels)."""
+    text = httpx.get(f"http://127.0.0.1:{up.metrics_export_port}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(f"ray_{name}{{"):
+            labels, value = line[len(name) + 5:].rsplit("} ", 1)
+            tenant = next(p.split("=", 1)[1].strip('"') for p in labels.split(",") if p.startswith("tenant="))
+            out[tenant] = out.get(tenant, 0.0) + float(value)
+    return out
+
+
+def wait_scraped(up, name: str, want: dict[str, float], timeout_s: float = 90) -> dict[str, float]:
+    deadline, got = time.monotonic() + timeout_s, {}
+    while time.monotonic() < deadline:
+        got = scrape(up, name)
+        if got.keys() == want.keys() and all(got[t] == pytest.approx(v, rel=1e-9, abs=0) for t, v in want.items()):
+            return got
+        time.sleep(1)
+    raise AssertionError(f"ray_{name} is {got}, want {want}")
+
+
 def usage_cli(*args: str, env: dict[str, str] | None = None) -> str:
     out = subprocess.run([sys.executable, "-m", "deployments.cli.main", "usage", *args], cwd=ROOT, capture_output=True,
                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
@@ -140,7 +164,8 @@ def platform(tmp_path_factory):
     _, alice = reg.add("alice", pools=["standard", "highspeed"], rpm=100_000, tpm=100_000_000, max_context=4096)
     _, bob = reg.add("bob", pools=["standard"], rpm=100_000, tpm=100_000_000, max_context=4096)
     reg.save(tmp / "tenants.yaml")
-    (tmp / "config.yaml").write_text(yaml.safe_dump({"pools": {p: {"price": PRICES[p]} for p in PRICES}}))
+    (tmp / "config.yaml").write_text(yaml.safe_dump({"pools": {p: {"price": PRICES[p]} for p in PRICES},
+                                                     "metrics": {"usage_export_s": 1.0}}))
     redis_server = LocalRedisServer().start()
     token = secrets.token_hex(16)
     try:
@@ -216,3 +241,10 @@ def test_usage_shows_the_hand_computed_cost_per_successful_task(platform):
         print(f"{tenant}: cost per successful task {table_usd(task_spend, outcomes['succeeded'])} USD "
               f"(hand: {task_spend} pico-USD / {outcomes['succeeded']} tasks)")
     assert report["tenants"]["alice"]["pools"]["highspeed"]["tokens"]["cached"] > 0  # charged at the cached price
+    # exported as metrics: cache-admin's gauges (every usage_export_s) and the ingress's cost counter (USD floats,
+    # so equal to the pico-USD figures within float rounding)
+    per_task = {t: report["tenants"][t]["total"]["cost_per_successful_task_usd"] for t in tasks}
+    spend = {t: usd(report["tenants"][t]["total"]["cost_pico_usd"]) for t in tasks}
+    print("scraped", wait_scraped(up, "deltaserve_tenant_cost_per_successful_task_usd", per_task),
+          wait_scraped(up, "deltaserve_tenant_cost_usd", spend), wait_scraped(up, "deltaserve_cost_usd_total", spend))
+    assert wait_scraped(up, "deltaserve_tenant_tasks", {t: float(sum(o.values())) for t, o in tasks.items()})

@@ -6,8 +6,12 @@ nothing left running after Ctrl-C; ``--no-prometheus`` and a missing binary star
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -153,3 +157,32 @@ def test_up_warns_and_goes_on_without_prometheus(capsys, monkeypatch):
     assert err.startswith("deltaserve: warning: no local Prometheus: 'prometheus' not found on PATH"), err
     assert up._start_prometheus(MetricsConfig(prometheus=False)) is None
     assert capsys.readouterr().err == ""
+
+
+def test_prometheus_dies_with_a_killed_parent(tmp_path):
+    """A `deltaserve up` killed with SIGKILL (no cleanup runs) leaves no Prometheus: the child asked the
+    kernel for SIGTERM on its parent's death (PR_SET_PDEATHSIG). No Ray needed: a parent that only starts it."""
+    from cache_service import find_free_port
+
+    port = find_free_port()
+    parent = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\n"
+         "from pathlib import Path\n"
+         "from deployments.observability.prometheus import start_prometheus\n"
+         "p = start_prometheus({'global': {'scrape_interval': '5s'}}, port=int(sys.argv[1]), workdir=Path(sys.argv[2]))\n"
+         "print(p.proc.pid, flush=True)\n"
+         "time.sleep(600)\n", str(port), str(tmp_path / "prometheus")],
+        cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(parent.stdout.readline())
+        assert _prometheus_pids([pid]) == [pid]
+        assert httpx.get(f"http://127.0.0.1:{port}/-/ready", timeout=5).status_code == 200
+    finally:
+        parent.kill()
+        parent.wait()
+    try:
+        _wait_for("prometheus gone after its parent was killed", lambda: _prometheus_pids([pid]) == [], timeout_s=15)
+    finally:  # never leave one behind, even when the test fails
+        if _prometheus_pids([pid]):
+            os.kill(pid, signal.SIGKILL)

@@ -117,9 +117,51 @@ def test_deltaserve_up_embeds_prometheus_scraping_ray(tmp_path):
         targets_by_deployment = {r["metric"]["deployment"]: float(r["value"][1]) for r in rows}
         assert {d: targets_by_deployment.get(d) for d in config.replica_counts()} == config.replica_counts()
         port = up.prometheus_port
+        _users_own_prometheus_takes_the_committed_config(tmp_path, expected_groups)
     assert _prometheus_pids(prometheus) == [], "prometheus still running after Ctrl-C"
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/-/ready", timeout=2)
+
+
+def _users_own_prometheus_takes_the_committed_config(tmp_path: Path, expected_groups: list[str]) -> None:
+    """`prometheus --config.file=ops/prometheus/prometheus.yml`, unchanged, beside a running `deltaserve up`:
+    it loads the rules and scrapes a Ray metrics target found through /tmp/ray's discovery-file link (which
+    names the newest Ray session on the machine: another platform's if one started since)."""
+    from cache_service import find_free_port
+
+    port = find_free_port()
+    proc = subprocess.Popen(["prometheus", f"--config.file={CONFIG_FILE}", f"--storage.tsdb.path={tmp_path / 'own'}",
+                             f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for("the user's Prometheus ready", lambda: _ready(url), timeout_s=30)
+        assert sorted(g["name"] for g in _api(url, "rules")["groups"]) == expected_groups
+        _wait_for("a Ray target up in the user's Prometheus", lambda: [
+            t for t in _api(url, "targets")["activeTargets"] if t["labels"]["job"] == "ray" and t["health"] == "up"])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/-/ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_a_taken_default_port_is_replaced_by_a_free_one(capsys):
+    from deployments.cli import up
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        free = up._free_port(busy, "Prometheus")
+        assert free != busy and up._port_is_free(free)
+        assert capsys.readouterr().out == f"deltaserve: port {busy} (Prometheus) is in use: using {free}\n"
+    assert up._free_port(free, "Prometheus") == free and capsys.readouterr().out == ""
 
 
 def test_no_prometheus_flag_turns_it_off(tmp_path):

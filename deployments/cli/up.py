@@ -186,12 +186,33 @@ def _load_config(args: argparse.Namespace) -> tuple[PlatformConfig, str | None]:
     return config, new_key
 
 
+_port_claims: list = []  # open lock files: this process's claims on its ports, held until it exits
+
+
+def _claim_port(port: int) -> bool:
+    """Claim ``port`` for this `deltaserve up` (an flock on ``<tmp>/deltaserve-port-<port>.lock``, held
+    until the process exits): False if another `deltaserve up` holds it. Ray binds its export port tens
+    of seconds after the check, and a taken one fails Ray's start, so two platforms starting at once
+    must not both see the default free."""
+    import fcntl
+    import tempfile
+
+    f = open(os.path.join(tempfile.gettempdir(), f"deltaserve-port-{port}.lock"), "a")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        return False
+    _port_claims.append(f)
+    return True
+
+
 def _free_port(port: int, what: str) -> int:
-    """``port`` if it is free on 127.0.0.1, else a free one (said on stdout), so that a second
-    platform on the machine still starts; 0: a free one."""
+    """``port`` if it is free on 127.0.0.1 and no other `deltaserve up` claimed it, else a free one
+    (said on stdout), so that a second platform on the machine still starts; 0: a free one."""
     from cache_service.redis_server import find_free_port
 
-    if port and _port_is_free(port):
+    if port and _port_is_free(port) and _claim_port(port):
         return port
     free = find_free_port()
     if port:

@@ -228,3 +228,25 @@ def test_prometheus_dies_with_a_killed_parent(tmp_path):
     finally:  # never leave one behind, even when the test fails
         if _prometheus_pids([pid]):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_port_another_deltaserve_up_claimed_is_not_taken_twice(capsys):
+    """Two `deltaserve up` starting at once both find 8085 free (Ray binds it only later): the second one
+    to claim it gets a free port instead."""
+    from cache_service import find_free_port
+
+    port = find_free_port()
+    claimer = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom deployments.cli import up\n"
+         "print(up._free_port(int(sys.argv[1]), 'Ray metrics export'), flush=True)\ntime.sleep(600)\n", str(port)],
+        cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, text=True)
+    try:
+        assert int(claimer.stdout.readline()) == port  # claimed, not bound: the port is still free
+        from deployments.cli import up
+
+        other = up._free_port(port, "Ray metrics export")
+        assert other != port
+        assert capsys.readouterr().out == f"deltaserve: port {port} (Ray metrics export) is in use: using {other}\n"
+    finally:
+        claimer.kill()
+        claimer.wait()

@@ -8,8 +8,9 @@ and its sampling thread). It fills a decode batch (``--batch`` sequences that ne
 ``--repeats`` rounds of ``--steps`` decode steps with metrics on and ``--steps`` with them off
 (:func:`deployments.observability.metrics.set_enabled`), the order alternating per round so that a
 drift (the growing context, the machine's other load) hits both alike. Reported per batch size: the
-median of the rounds' mean step time on and off, their ratio, and the median of the per-round paired
-ratios; and the cost of one bound record call in the worker. Target: on / off <= 1.02.
+median of the rounds' mean step time on and off, their ratio, the ratio of the fastest rounds, and the
+median of the per-round paired ratios (the verdict: robust to the shared machine's bursts); and the
+cost of one bound record call in the worker. Target: on / off <= 1.02.
 
     .venv/bin/python benchmarks/bench_metrics_overhead.py
 """
@@ -97,7 +98,8 @@ def measure(actor, batch: int, repeats: int, steps: int) -> dict:
         paired.append(got[True] / got[False])
     return {"batch": batch, "repeats": repeats, "steps_per_round": steps,
             "on_ms": 1e3 * statistics.median(on), "off_ms": 1e3 * statistics.median(off),
-            "ratio": statistics.median(on) / statistics.median(off), "paired_ratio_median": statistics.median(paired),
+            "ratio": statistics.median(on) / statistics.median(off), "ratio_min": min(on) / min(off),
+            "paired_ratio_median": statistics.median(paired),
             "paired_ratio_max": max(paired)}
 
 
@@ -105,8 +107,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="k3-tiny")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--repeats", type=int, default=12)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=100)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1, help="torch threads in the worker (a replica's torch_threads)")
     args = ap.parse_args()
 
@@ -123,27 +125,35 @@ def main() -> int:
             if record_us is None:
                 record_us = ray.get(actor.record_cost_us.remote())
             row = measure(actor, batch, args.repeats, args.steps)
+            # the CPU its records cost by construction: 2 per decode step (no prefill tokens), on the sampler thread
+            row["recording_est_pct"] = 100 * 2 * record_us / (1e3 * row["off_ms"])
             rows.append(row)
             print(json.dumps(row), flush=True)
             ray.kill(actor)
     finally:
         ray.shutdown()
-    worst = max(r["ratio"] for r in rows)
+    worst = max(r["paired_ratio_median"] for r in rows)
     verdict = "met" if worst <= TARGET else "missed"
-    notes = (f"Target: metrics on / off <= {TARGET} (2 %): {verdict} (worst ratio of the medians {worst:.4f}).\n\n"
-             f"One bound histogram observation in the Ray worker costs {record_us:.2f} us; a decode step records three "
-             "(batch size, step time, and the prefill tokens only when the step computed some), nothing per token. "
-             "Gauges and the cache/expert-pool counters are sampled once a second on a background thread, off the "
-             "step path.\n\n"
+    notes = (f"Target: metrics on / off <= {TARGET} (2 %): {verdict} (worst median of the paired ratios {worst:.4f}; "
+             f"the ratios of the medians and of the fastest rounds are in the table).\n\n"
+             f"One bound histogram observation in the Ray worker costs {record_us:.2f} us. The step thread only appends "
+             "the step's StepStats to a buffer; the replica's sampler thread (once a second) records them (batch size "
+             "and step time, plus the prefill tokens when the step computed some), the gauges and the cache / "
+             "expert-pool counters. Nothing per token.\n\n"
              "on_ms / off_ms: median over the rounds of each round's mean step time (the step plus its recording); "
-             "paired ratios: on / off within each round (the order alternates per round). "
-             f"Model {args.model}, torch threads {args.threads}, in a Ray actor (Ray's real metric objects).")
+             "paired ratios: on / off within each round (the order alternates per round); recording_est_pct: the CPU "
+             "of a decode step's two record calls (on the sampler thread) over the step time off, the overhead by "
+             "construction, free of the machine's noise. "
+             f"Model {args.model}, torch threads {args.threads}, in a Ray actor (Ray's real metric objects). On a shared "
+             "machine single rounds swing by tens of percent (paired_ratio_max) and a record call's cost by several "
+             "times with the load (the JSON's environment has the load average): the medians over many short "
+             "alternating rounds are the figure.")
     write_report("metrics_overhead", rows,
-                 columns=["batch", "on_ms", "off_ms", "ratio", "paired_ratio_median", "paired_ratio_max", "repeats",
-                          "steps_per_round"],
+                 columns=["batch", "on_ms", "off_ms", "ratio", "ratio_min", "paired_ratio_median", "paired_ratio_max",
+                          "recording_est_pct", "repeats", "steps_per_round"],
                  command=".venv/bin/python benchmarks/bench_metrics_overhead.py",
                  title="Metrics overhead on the decode step (on vs off, one run)", notes=notes)
-    print(f"worst on/off ratio {worst:.4f} (target <= {TARGET}: {verdict}); one record call {record_us:.2f} us")
+    print(f"worst median paired on/off ratio {worst:.4f} (target <= {TARGET}: {verdict}); one record call {record_us:.2f} us")
     return 0
 
 

@@ -3,10 +3,12 @@
 Two paths, both cheap:
 
 - per step (:meth:`ReplicaMetrics.on_step`, the engine's ``on_step`` callback, on the stepping thread):
-  ``deltaserve_batch_size`` and ``deltaserve_step_seconds`` by step kind, and
-  ``deltaserve_prefill_tokens_per_step`` for steps that computed prompt tokens. Three records with
-  labels bound once (:func:`~deployments.observability.metrics.bind`): nothing per token.
-- every ``interval_s`` (:meth:`ReplicaMetrics.sample`, a background thread): the gauges (running and
+  the step's :class:`~deployments.engine.StepStats` is appended to a buffer, nothing else (a Ray metric
+  record costs microseconds of the step thread and contends with Ray's recorder threads; an append costs
+  well under one). The sampler records them: ``deltaserve_batch_size`` and ``deltaserve_step_seconds``
+  by step kind, and ``deltaserve_prefill_tokens_per_step`` for steps that computed prompt tokens, with
+  labels bound once (:func:`~deployments.observability.metrics.bind`). Nothing per token.
+- every ``interval_s`` (:meth:`ReplicaMetrics.sample`, a background thread): the buffered steps, the gauges (running and
   waiting sequences, slots used and total, the cache's breaker, write queue and LRU bytes) and the
   cache's counters, as the increase of :meth:`cache_service.client.PrefixCache.stats` since the last
   sample (lookups, hits, hit tokens, corrupt entries, dropped writes); with an expert pool, its
@@ -19,6 +21,7 @@ Labels: ``pool`` and ``kind`` (prefill|decode); Serve adds ``deployment``/``repl
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 
@@ -26,6 +29,7 @@ from deployments.engine import Engine, StepStats
 from deployments.observability import metrics
 
 STEP_KINDS = ("prefill", "decode", "mixed")
+MAX_BUFFERED_STEPS = 100_000  # steps kept for the sampler; older ones are dropped if it stops sampling
 # (catalog counter, its extra labels) <- ExpertPoolClient.shard_stats() key
 EXPERT_COUNTERS = {
     "direct_calls": ("deltaserve_expert_calls_total", {"transport": "direct"}),
@@ -67,6 +71,7 @@ class ReplicaMetrics:
         self._expert_counters = [{key: metrics.bind(name, pool=pool, shard=str(s), **extra)
                                   for key, (name, extra) in EXPERT_COUNTERS.items()} for s in range(shards)]
         self._expert_seen = [dict.fromkeys(EXPERT_COUNTERS, 0) for _ in range(shards)]
+        self._steps: collections.deque[StepStats] = collections.deque(maxlen=MAX_BUFFERED_STEPS)
         self._sample_lock = threading.Lock()
         self._stop = threading.Event()
         engine.on_step = self.on_step
@@ -77,16 +82,24 @@ class ReplicaMetrics:
             self._thread.start()
 
     def on_step(self, s: StepStats) -> None:
-        self._batch[s.kind].observe(s.batch_size)
-        self._step_s[s.kind].observe(s.seconds)
-        if s.prefill_tokens:
-            self._prefill_tokens.observe(s.prefill_tokens)
+        if metrics.enabled():
+            self._steps.append(s)
+
+    def _record_steps(self) -> None:
+        steps, pop = self._steps, self._steps.popleft
+        for _ in range(len(steps)):  # appends meanwhile wait for the next sample
+            s = pop()
+            self._batch[s.kind].observe(s.batch_size)
+            self._step_s[s.kind].observe(s.seconds)
+            if s.prefill_tokens:
+                self._prefill_tokens.observe(s.prefill_tokens)
 
     def sample(self) -> None:
-        """Set the gauges and add the cache counters' increase since the last sample."""
+        """Record the buffered steps, set the gauges and add the counters' increase since the last sample."""
         if not metrics.enabled():
             return
         with self._sample_lock:
+            self._record_steps()
             engine, g = self.engine, self._gauges
             total = engine.runner.pool.num_slots
             g["deltaserve_running_seqs"].set(len(engine.scheduler.running))  # lengths: safe to read beside the step thread

@@ -6,7 +6,8 @@ Both carry the label ``MONITOR_LABEL``: point the Prometheus's ``podMonitorSelec
 ``ruleSelector`` at it (k8s/README.md). Every series gets ``cluster`` = the namespace (the label
 the dashboards' ``cluster`` variable and every rule aggregate by; ops/prometheus/prometheus.yml sets
 it for one machine), keeps the pod's ``ray.io/cluster`` as ``ray_io_cluster`` (the label Ray's own
-dashboards filter by), and names the pod, node type and worker group.
+dashboards filter by), and names the node type and worker group (the operator adds ``pod``
+and ``namespace`` itself).
 """
 
 from __future__ import annotations
@@ -30,8 +31,7 @@ def pod_monitor(config: PlatformConfig, node_type: str) -> dict:
     relabel = [{"sourceLabels": ["__meta_kubernetes_namespace"], "targetLabel": "cluster"},
                {"sourceLabels": ["__meta_kubernetes_pod_label_ray_io_cluster"], "targetLabel": "ray_io_cluster"},
                {"sourceLabels": ["__meta_kubernetes_pod_label_ray_io_node_type"], "targetLabel": "ray_node_type"},
-               {"sourceLabels": ["__meta_kubernetes_pod_label_ray_io_group"], "targetLabel": "ray_group"},
-               {"sourceLabels": ["__meta_kubernetes_pod_name"], "targetLabel": "pod"}]
+               {"sourceLabels": ["__meta_kubernetes_pod_label_ray_io_group"], "targetLabel": "ray_group"}]
     interval = f"{config.metrics.scrape_interval_s:g}s"
     return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": _meta(f"{n.RAY}-{node_type}"),
             "spec": {"selector": {"matchLabels": {**n.selector(n.RAY), n.RAY_NODE_TYPE_LABEL: node_type}},

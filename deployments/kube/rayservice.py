@@ -43,12 +43,17 @@ class Resources:
     """A Ray container's requests and limits (equal: Guaranteed QoS, as KubeRay recommends)."""
 
     cpu: int  # also the Ray CPUs the node advertises (num-cpus)
-    memory: str
-    shm: str  # /dev/shm (Ray's object store), memory-backed: part of ``memory``
+    memory_gib: int
+    shm_gib: int  # /dev/shm, memory-backed (part of memory_gib): Ray's object store lives there
     gpus: int = 0
 
+    @property
+    def object_store_bytes(self) -> int:
+        """Ray's object store: 90% of /dev/shm (Ray falls back to a slow disk store when shm is short)."""
+        return self.shm_gib * (1 << 30) * 9 // 10
+
     def spec(self) -> dict:
-        amounts = {"cpu": str(self.cpu), "memory": self.memory}
+        amounts = {"cpu": str(self.cpu), "memory": f"{self.memory_gib}Gi"}
         if self.gpus:
             amounts["nvidia.com/gpu"] = str(self.gpus)
         return {"requests": dict(amounts), "limits": dict(amounts)}
@@ -101,8 +106,8 @@ def cpu_overlay(config: PlatformConfig) -> Overlay:
     """The tiny model on any cluster: one CPU worker pod holds every deployment (Ray places them)."""
     config = kubernetes_config(config, replica_num_cpus=0.5)
     return Overlay("cpu", "the platform's config on CPUs, one worker group: any cluster (kind, minikube, a laptop)",
-                   config, head=Resources(2, "4Gi", "1Gi"),
-                   groups=(WorkerGroup("cpu", 1, Resources(4, "8Gi", "2Gi")),), trace_ratio=1.0)
+                   config, head=Resources(2, 4, 1),
+                   groups=(WorkerGroup("cpu", 1, Resources(4, 8, 2)),), trace_ratio=1.0)
 
 
 def gpu_overlay(config: PlatformConfig) -> Overlay:
@@ -116,8 +121,9 @@ def gpu_overlay(config: PlatformConfig) -> Overlay:
                                replica_num_cpus=4.0)
     counts = {d: c for d, c in GPU_REPLICAS.items() if d in config.replica_counts()}
     config = config.with_replicas(counts)
-    gpu = Resources(16, "128Gi", "32Gi", gpus=1)
-    groups = [WorkerGroup("frontend", 1, Resources(8, "16Gi", "2Gi"), FRONTEND_DEPLOYMENTS, slots=2)]
+    gpu = Resources(16, 128, 32, gpus=1)
+    groups = [WorkerGroup("frontend", 1, Resources(8, 16, 2), FRONTEND_DEPLOYMENTS,
+                          slots=len(FRONTEND_DEPLOYMENTS))]
     counts = config.replica_counts()
     for pool in config.pools:
         nodes, tolerations = dict(GPU_NODES), [GPU_TOLERATION]
@@ -133,17 +139,18 @@ def gpu_overlay(config: PlatformConfig) -> Overlay:
                               tolerations=(GPU_TOLERATION,),
                               ports=tuple((f"expert-{s}", EXPERT_PORT + s) for s in range(config.expert_shards))))
     return Overlay("gpu", "production shape: GPU worker groups per pool's prefill and decode and for the expert pool",
-                   config, head=Resources(4, "16Gi", "2Gi"), groups=tuple(groups), trace_ratio=0.1, image_variant="-gpu")
+                   config, head=Resources(4, 16, 2), groups=tuple(groups), trace_ratio=0.1, image_variant="-gpu")
 
 
 def serve_config(overlay: Overlay) -> dict:
     """The Serve config (``serveConfigV2``) of ``overlay``: what ``serve deploy`` takes."""
+    from deployments.cli.up import GRPC_SERVICER
+    from deployments.workers.handoff import GRPC_LIMIT_ENV, grpc_message_limit
+
     config = overlay.config
     counts = config.replica_counts()
     overrides = {d: {"name": d, "num_replicas": c} for d, c in counts.items()}
     if overlay.pinned:
-        from deployments.workers.handoff import GRPC_LIMIT_ENV, grpc_message_limit
-
         limit = str(grpc_message_limit(config.model, config.max_model_len))
         for group in overlay.groups:
             for d in group.deployments:
@@ -154,8 +161,6 @@ def serve_config(overlay: Overlay) -> dict:
                 options["runtime_env"] = {"env_vars": {GRPC_LIMIT_ENV: limit}}
                 overrides.setdefault(d, {"name": d})["ray_actor_options"] = options
     args = config.without_replica_counts().model_dump(mode="json")
-    from deployments.cli.up import GRPC_SERVICER
-
     return {"proxy_location": "EveryNode",
             "http_options": {"host": config.host, "port": config.http_port},
             "grpc_options": {"port": config.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER],
@@ -182,8 +187,9 @@ def ray_env(overlay: Overlay) -> list[dict]:
              n.secret_env(KEY_ENV, n.CACHE_KEY_SECRET, "key")] + n.env(plain))
 
 
-def _volumes(overlay: Overlay, shm: str) -> tuple[list[dict], list[dict]]:
-    volumes = [{"name": "tmp", "emptyDir": {}}, {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}},
+def _volumes(overlay: Overlay, shm_gib: int) -> tuple[list[dict], list[dict]]:
+    volumes = [{"name": "tmp", "emptyDir": {}},
+               {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm_gib}Gi"}},
                {"name": "tenants", "secret": {"secretName": n.TENANTS_SECRET.name, "defaultMode": 0o440}}]
     mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "dshm", "mountPath": "/dev/shm"},
               {"name": "tenants", "mountPath": n.TENANTS_DIR, "readOnly": True}]
@@ -200,7 +206,7 @@ HEALTH_PATH = "/api/healthz"
 
 def _pod(overlay: Overlay, kind: str, resources: Resources, ports: list[tuple[str, int]],
          node_selector: dict | None = None, tolerations: tuple[dict, ...] = ()) -> dict:
-    volumes, mounts = _volumes(overlay, resources.shm)
+    volumes, mounts = _volumes(overlay, resources.shm_gib)
     container = {"name": f"ray-{kind}", "image": n.IMAGE, "imagePullPolicy": "IfNotPresent",
                  "ports": [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in ports],
                  "env": ray_env(overlay), "resources": resources.spec(), "volumeMounts": mounts,
@@ -228,12 +234,14 @@ def head_group(overlay: Overlay) -> dict:
     ports = [("gcs-server", n.RAY_GCS_PORT), ("dashboard", n.RAY_DASHBOARD_PORT), ("client", n.RAY_CLIENT_PORT),
              ("dashboard-agent", n.RAY_AGENT_PORT)] + _serve_ports(overlay.config)
     return {"rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0",
-                               "metrics-export-port": str(overlay.config.metrics.export_port)},
+                               "metrics-export-port": str(overlay.config.metrics.export_port),
+                               "object-store-memory": str(overlay.head.object_store_bytes)},
             "template": _pod(overlay, "head", overlay.head, ports)}
 
 
 def worker_group(overlay: Overlay, group: WorkerGroup) -> dict:
-    params = {"num-cpus": str(group.resources.cpu), "metrics-export-port": str(overlay.config.metrics.export_port)}
+    params = {"num-cpus": str(group.resources.cpu), "metrics-export-port": str(overlay.config.metrics.export_port),
+              "object-store-memory": str(group.resources.object_store_bytes)}
     if group.resources.gpus:
         params["num-gpus"] = str(group.resources.gpus)
     spec = {"groupName": group.name, "replicas": group.replicas, "minReplicas": group.replicas,

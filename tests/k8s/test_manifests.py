@@ -503,3 +503,26 @@ def test_collector_fits_its_memory_limiter_and_exports_to_tempo(overlay):
     assert c["readinessProbe"]["httpGet"] == {"path": "/", "port": "health"}
     assert {p["name"]: p["containerPort"] for p in c["ports"]}["health"] == int(
         config["extensions"]["health_check"]["endpoint"].rsplit(":", 1)[1])
+
+
+def test_every_replica_fits_the_ray_cpus_and_object_store_its_pods_have(overlay):
+    """Ray must be able to place every replica: their num_cpus within the workers' num-cpus (the
+    head runs none), and each pod's object store within its /dev/shm."""
+    name, objs = overlay
+    [rs] = kind(objs, "RayService")
+    cluster = rs["spec"]["rayClusterConfig"]
+    app = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]
+    per_replica = app["args"]["replica_num_cpus"]
+    replicas = {d["name"]: d.get("num_replicas", 1) for d in app["deployments"]}
+    replicas.setdefault("ingress", 1)
+    replicas.setdefault("cache-admin", 1)
+    worker_cpus = sum(int(g["rayStartParams"]["num-cpus"]) * g["replicas"] for g in cluster["workerGroupSpecs"])
+    assert sum(replicas.values()) * per_replica <= worker_cpus
+    for group in cluster["workerGroupSpecs"]:
+        if "resources" in group:  # pinned: one pod's units of its resource × num_cpus within its CPUs
+            [units] = group["resources"].values()
+            assert int(units) * per_replica <= int(group["rayStartParams"]["num-cpus"]), group["groupName"]
+    for group in [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]:
+        [shm] = [v for v in group["template"]["spec"]["volumes"] if v["name"] == "dshm"]
+        shm_bytes = int(shm["emptyDir"]["sizeLimit"].removesuffix("Gi")) << 30
+        assert int(group["rayStartParams"]["object-store-memory"]) < shm_bytes

@@ -283,3 +283,40 @@ def test_request_path_counts_equal_the_responses_usage(frontend):
     assert values("deltaserve_rate_limited_total", pool="standard", tenant="bob", limit="requests") == [1.0]
     # the 1-token request has no TPOT; the others do
     assert sum(len(v) for v in series("deltaserve_tpot_seconds").values()) == 5
+
+
+# -- expert pool --------------------------------------------------------------------------------------
+def test_expert_pool_counts_calls_bytes_and_latency_per_shard(tiny):
+    import torch
+
+    from deployments.experts.client import ExpertPoolClient, shard_parts
+    from deployments.experts.shard import ExpertShard
+    from tests.conftest import ShardHandle
+
+    config = PlatformConfig(model="tiny-k3", expert_mode="pool", expert_shards=2)
+    shards = [ExpertShard(config, s, 2) for s in range(2)]
+    try:
+        g = torch.Generator().manual_seed(0)
+        x, idx, w = torch.randn(6, 128, generator=g), torch.randint(0, 16, (6, 2), generator=g), torch.rand(6, 2, generator=g)
+        parts = {s: (rows, i, ww) for s, rows, i, ww in shard_parts(idx, w, 2)}
+        sent = {s: len(rows) * 128 * 4 + i.nbytes + ww.nbytes for s, (rows, i, ww) in parts.items()}
+        for transport in ("direct", "handle"):
+            client = ExpertPoolClient([ShardHandle([s]) for s in shards], transport=transport, pool="standard")
+            engine = engine_of(tiny)
+            rm = ReplicaMetrics(engine, None, pool="standard", kind="decode", expert_pool=client, interval_s=None)
+            client.run(1, x, idx, w)
+            client.run(2, x, idx, w)
+            rm.sample()
+            for s in parts:
+                rows = len(parts[s][0])
+                assert client.shard_stats()[s] == {
+                    "direct_calls": 2 * (transport == "direct"), "handle_calls": 2 * (transport == "handle"),
+                    "bytes_sent": 2 * sent[s], "bytes_received": 2 * rows * 128 * 4, "fallbacks": 0}
+                assert values("deltaserve_expert_calls_total", pool="standard", shard=str(s), transport=transport) == [2.0]
+                assert values("deltaserve_expert_bytes_total", pool="standard", shard=str(s), direction="sent") == [2.0 * sent[s]]
+                assert len(values("deltaserve_expert_call_seconds", pool="standard", shard=str(s))) == 2
+            client.close()
+            metrics.reset()
+    finally:
+        for s in shards:
+            s.close()

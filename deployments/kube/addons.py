@@ -52,19 +52,29 @@ def _resources(cpu: str, memory: str, cpu_limit: str | None = None) -> dict:
     return {"requests": {"cpu": cpu, "memory": memory}, "limits": {"cpu": cpu_limit or cpu, "memory": memory}}
 
 
+def redis_script(maxmemory_mib: int, *, port: int = n.REDIS_PORT, data_dir: str = "/data",
+                 bind: str = "0.0.0.0") -> str:
+    """The Redis container's command (``sh -c``): ``$REDIS_PASSWORD`` goes into a config file only its
+    owner reads (not into argv, where ``ps`` shows it), then redis-server replaces the shell."""
+    return (f"umask 077 && printf 'requirepass %s\\n' \"$REDIS_PASSWORD\" > {data_dir}/redis.conf && "
+            f"exec redis-server {data_dir}/redis.conf --bind {bind} --port {port} --maxmemory {maxmemory_mib}mb "
+            "--maxmemory-policy allkeys-lru --save '' --appendonly no")
+
+
+def redis_probe(port: int = n.REDIS_PORT) -> str:
+    """The readiness check: an authenticated PING (the password from the environment, not argv)."""
+    return f'REDISCLI_AUTH="$REDIS_PASSWORD" redis-cli -p {port} ping | grep -q PONG'
+
+
 def redis(config: PlatformConfig) -> list[dict]:
-    """Redis with its password from a Secret (written to a config file in memory, so it is in no
-    process's argv), ``maxmemory`` as ``deltaserve up``'s local redis-server, allkeys-lru, no RDB or AOF."""
+    """Redis with its password from a Secret (:func:`redis_script`), ``maxmemory`` as ``deltaserve
+    up``'s local redis-server, allkeys-lru, no RDB or AOF."""
     mib = config.cache.local_redis_maxmemory_mib
-    script = ("umask 077 && printf 'requirepass %s\\n' \"$REDIS_PASSWORD\" > /data/redis.conf && "
-              f"exec redis-server /data/redis.conf --port {n.REDIS_PORT} --maxmemory {mib}mb "
-              "--maxmemory-policy allkeys-lru --save '' --appendonly no")
-    container = {"name": "redis", "image": REDIS_IMAGE, "command": ["sh", "-c", script],
+    container = {"name": "redis", "image": REDIS_IMAGE, "command": ["sh", "-c", redis_script(mib)],
                  "env": [n.secret_env("REDIS_PASSWORD", n.REDIS_SECRET, "password")],
                  "ports": [{"name": "redis", "containerPort": n.REDIS_PORT, "protocol": "TCP"}],
                  "resources": _resources("250m", f"{mib + 256}Mi", "1"),
-                 "readinessProbe": n.exec_probe('REDISCLI_AUTH="$REDIS_PASSWORD" redis-cli -p '
-                                                f'{n.REDIS_PORT} ping | grep -q PONG', period_s=5),
+                 "readinessProbe": n.exec_probe(redis_probe(), period_s=5),
                  "livenessProbe": n.tcp_probe("redis", delay_s=10),
                  "volumeMounts": [{"name": "data", "mountPath": "/data"}],
                  "securityContext": n.container_security()}

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -280,6 +281,46 @@ def test_redis_keeps_nothing_and_takes_its_password_from_a_secret(overlay):
     assert "$REDIS_PASSWORD" in script and "--requirepass" not in script  # never in argv
     assert container["env"] == [{"name": "REDIS_PASSWORD",
                                  "valueFrom": {"secretKeyRef": {"name": n.REDIS_SECRET.name, "key": "password"}}}]
+
+
+def test_redis_command_runs_a_real_redis_server_as_configured(tmp_path):
+    """The container's command and readiness probe, run here against a real redis-server (on a free
+    127.0.0.1 port instead of the pod's 0.0.0.0:6379): a password only from the environment, the
+    cache's maxmemory with allkeys-lru, no persistence."""
+    import redis as redis_client
+
+    from cache_service.redis_server import find_free_port
+    from deployments.kube.addons import redis_probe, redis_script
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server not on PATH")
+    mib, port, password = CONFIG.cache.local_redis_maxmemory_mib, find_free_port(), "0f" * 16
+    env = {"PATH": os.environ["PATH"], "REDIS_PASSWORD": password}
+    proc = subprocess.Popen(["sh", "-c", redis_script(mib, port=port, data_dir=str(tmp_path), bind="127.0.0.1")],
+                            env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = redis_client.Redis(port=port, password=password, socket_timeout=2)
+        for _ in range(100):
+            try:
+                client.ping()
+                break
+            except redis_client.ConnectionError:
+                time.sleep(0.05)
+        assert client.config_get("maxmemory") == {"maxmemory": str(mib << 20)}
+        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "allkeys-lru"}
+        assert client.config_get("save") == {"save": ""}
+        assert client.config_get("appendonly") == {"appendonly": "no"}
+        with pytest.raises(redis_client.AuthenticationError):
+            redis_client.Redis(port=port, socket_timeout=2).ping()
+        assert password not in Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode()  # exec'd: this is redis
+        assert (tmp_path / "redis.conf").stat().st_mode & 0o077 == 0
+        probe = lambda pw: subprocess.run(["sh", "-c", redis_probe(port)], env={**env, "REDIS_PASSWORD": pw},
+                                          capture_output=True, timeout=10).returncode
+        assert (probe(password), probe("wrong")) == (0, 1)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert os.listdir(tmp_path) == ["redis.conf"]  # nothing persisted
 
 
 def test_ray_pods_get_tenants_cache_key_and_redis_from_secrets(overlay):

@@ -164,7 +164,8 @@ def grafana(dashboards: dict[str, str], dashboards_path: str) -> list[dict]:
     plain = {"GF_PATHS_DATA": "/var/lib/grafana", "GF_PATHS_PROVISIONING": "/etc/grafana/provisioning",
              "GF_ANALYTICS_REPORTING_ENABLED": "false", "GF_ANALYTICS_CHECK_FOR_UPDATES": "false",
              "GF_ANALYTICS_CHECK_FOR_PLUGIN_UPDATES": "false", "GF_AUTH_ANONYMOUS_ENABLED": "false",
-             "GF_USERS_ALLOW_SIGN_UP": "false"}
+             "GF_USERS_ALLOW_SIGN_UP": "false",
+             "GF_LOG_MODE": "console"}  # no log file: the root filesystem is read-only
     container = {"name": "grafana", "image": GRAFANA_IMAGE,
                  "env": [n.secret_env("GF_SECURITY_ADMIN_USER", n.GRAFANA_SECRET, "admin-user"),
                          n.secret_env("GF_SECURITY_ADMIN_PASSWORD", n.GRAFANA_SECRET, "admin-password")] + n.env(plain),

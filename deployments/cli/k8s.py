@@ -1,5 +1,6 @@
 """`deltaserve k8s render [--out k8s/] [--config FILE] [--check]`: the kustomize tree of the platform
-(deployments/kube/), from the platform config `deltaserve up --config FILE` would use.
+(deployments/kube/), from the platform config `deltaserve up --config FILE` would use. Run it in the
+repository's root: it reads ops/ and writes k8s/ there (--ops, --out for others).
 
 ``--check`` writes nothing and exits 1 when the tree on disk differs from a fresh render (CI).
 """
@@ -9,8 +10,6 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def render(args: argparse.Namespace) -> int:
@@ -49,10 +48,10 @@ def add_k8s_parser(sub) -> None:
     p = sub.add_parser("k8s", help="Kubernetes manifests (kustomize base + overlays cpu, gpu)")
     ks = p.add_subparsers(dest="k8s_command", required=True)
     r = ks.add_parser("render", help="write the kustomize tree from the platform config")
-    r.add_argument("--out", default=str(REPO / "k8s"), help="tree root (default: the repository's k8s/)")
+    r.add_argument("--out", default="k8s", help="tree root (default: k8s/ here, the repository's root)")
     r.add_argument("--config", default=None, help="platform config YAML/JSON, as for `deltaserve up` (defaults embedded)")
-    r.add_argument("--ops", default=str(REPO / "ops"), help="ops/ directory to take the collector config, dashboards "
-                   "and rules from (default: the repository's)")
+    r.add_argument("--ops", default="ops", help="ops/ directory to take the collector config, dashboards and rules "
+                   "from (default: ops/ here)")
     r.add_argument("--prometheus-url", default="http://prometheus-operated.monitoring.svc:9090",
                    help="Grafana's Prometheus datasource: the Prometheus operator's Prometheus")
     r.add_argument("--check", action="store_true", help="write nothing; exit 1 if the tree differs from a fresh render")

@@ -104,10 +104,12 @@ def test_render_cli_check_and_write(tmp_path):
     stale = out / "base" / "stale.yaml"
     stale.parent.mkdir(parents=True)
     stale.write_text("kind: Leftover\n")
-    assert main(["k8s", "render", "--out", str(out), "--check"]) == 1
-    assert main(["k8s", "render", "--out", str(out)]) == 0
+    args = ["k8s", "render", "--out", str(out), "--ops", str(REPO / "ops")]
+    assert main(args + ["--check"]) == 1
+    assert main(args) == 0
     assert not stale.exists()
-    assert main(["k8s", "render", "--out", str(out), "--check"]) == 0
+    assert main(args + ["--check"]) == 0
+    assert main(["k8s", "render", "--out", str(out), "--ops", str(tmp_path / "no-ops")]) == 2
     assert (out / "overlays" / "gpu" / "rayservice.yaml").read_bytes() == (K8S / "overlays/gpu/rayservice.yaml").read_bytes()
 
 

@@ -124,7 +124,7 @@ def measure_prefill(model, tokenizer, reps: int) -> list[dict]:
     for tokens in PREFILL_TOKENS:
         engine = _engine(model, tokenizer, slots=2, budget=tokens, seqs=1, max_model_len=8192)
         times: list[float] = []
-        engine.on_step = lambda s: times.append(s.seconds)
+        engine.on_step = lambda s, times=times: times.append(s.seconds)
         for rep in range(reps + 1):  # the first is a warm-up
             engine.add_request(GenerationRequest(f"p{rep}", _prompt(tokens, vocab, rep), max_tokens=1, ignore_eos=True))
             while engine.has_unfinished():
@@ -156,7 +156,8 @@ def measure_decode(model, tokenizer, steps: int) -> list[dict]:
         for batch in DECODE_BATCHES:
             engine = _engine(model, tokenizer, slots=batch, budget=batch, seqs=batch, max_model_len=8192)
             times: list[float] = []
-            engine.on_step = lambda s: times.append(s.seconds) if s.kind == "decode" and s.batch_size == batch else None
+            engine.on_step = lambda s, times=times, batch=batch: (
+                times.append(s.seconds) if s.kind == "decode" and s.batch_size == batch else None)
             for i in range(batch):
                 engine.add_request(GenerationRequest(f"d{i}", prompt, max_tokens=steps + 3, ignore_eos=True),
                                    resume_state=state, first_token=first)

@@ -34,6 +34,8 @@ context at the segment's middle, and one noise draw (the profile's relative resi
 from __future__ import annotations
 
 import heapq
+import itertools
+import json
 import math
 import random
 from collections import deque
@@ -43,11 +45,24 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from deployments.autoscaling.profile import Profile
-from deployments.autoscaling.signals import Budget, Decision, DeploymentSignal, Observation, Policy, Slo
+from deployments.autoscaling.signals import (
+    Budget,
+    Decision,
+    DeploymentSignal,
+    Observation,
+    Policy,
+    Slo,
+)
 from deployments.autoscaling.traces import TraceRequest
 from deployments.config import PlatformConfig, PoolConfig
 
 KINDS = ("prefill", "decode")
+
+
+def check_pools(requests: Iterable[TraceRequest], config: PlatformConfig) -> None:
+    unknown = sorted({r.pool for r in requests} - set(config.pools))
+    if unknown:
+        raise ValueError(f"trace pools {unknown} are not pools of the platform config ({sorted(config.pools)})")
 
 
 def deployment_names(pools: Iterable[str]) -> list[str]:
@@ -89,8 +104,22 @@ class SimSettings:
 class SimRequest:
     """One request's life in the simulation."""
 
-    __slots__ = ("rid", "pool", "arrival", "prompt", "output", "computed", "prefill_left", "decode_left",
-                 "first_token_at", "done_at", "dropped", "aborted", "queued_at", "context")
+    __slots__ = (
+        "aborted",
+        "arrival",
+        "computed",
+        "context",
+        "decode_left",
+        "done_at",
+        "dropped",
+        "first_token_at",
+        "output",
+        "pool",
+        "prefill_left",
+        "prompt",
+        "queued_at",
+        "rid",
+    )
 
     def __init__(self, rid: int, req: TraceRequest, computed: int) -> None:
         self.rid, self.pool, self.arrival = rid, req.pool, req.arrival_s
@@ -112,10 +141,25 @@ class SimRequest:
 
 
 class Replica:
-    __slots__ = ("deployment", "state", "since", "held", "busy", "version", "seg_start", "seg_dt", "seg_k",
-                 "cut", "streams", "pending", "step", "drain_at", "hold_from")
+    __slots__ = (
+        "busy",
+        "cut",
+        "deployment",
+        "drain_at",
+        "held",
+        "hold_from",
+        "pending",
+        "seg_dt",
+        "seg_k",
+        "seg_start",
+        "since",
+        "state",
+        "step",
+        "streams",
+        "version",
+    )
 
-    def __init__(self, deployment: "Deployment", state: str, now: float) -> None:
+    def __init__(self, deployment: Deployment, state: str, now: float) -> None:
         self.deployment, self.state, self.since = deployment, state, now  # "starting" | "serving" | "draining"
         self.held: list[SimRequest] = []  # prefill: requests on the replica (at most num_slots), FCFS
         self.step: list[tuple[SimRequest, int]] | None = None  # prefill: the step running (request, tokens)
@@ -209,9 +253,7 @@ class Simulator:
 
     def __init__(self, requests: list[TraceRequest], policy: Policy, profile: Profile, config: PlatformConfig,
                  settings: SimSettings, *, name: str = "policy") -> None:
-        unknown = sorted({r.pool for r in requests} - set(config.pools))
-        if unknown:
-            raise ValueError(f"trace pools {unknown} are not pools of the platform config ({sorted(config.pools)})")
+        check_pools(requests, config)
         self.policy, self.profile, self.config, self.settings, self.name = policy, profile, config, settings, name
         self.pools = [p for p in config.pools if any(r.pool == p for r in requests)] or list(config.pools)
         self.slo = {p: Slo(config.pools[p].ttft_slo_ms / 1e3, config.pools[p].tpot_slo_ms / 1e3) for p in self.pools}
@@ -520,7 +562,8 @@ class Simulator:
         old = dep.history[0] if dep.history else (self.now, dep.busy_s, dep.tokens)  # the window's first tick
         busy_s, tokens = dep.busy_s - old[1], dep.tokens - old[2]
         serving = dep.serving()
-        busy = min(1.0, busy_s / ((self.now - old[0]) * len(serving))) if serving and self.now > old[0] else None
+        busy = (max(0.0, min(1.0, busy_s / ((self.now - old[0]) * len(serving))))  # a cut segment refunds later
+                if serving and self.now > old[0] else None)
         reps = dep.replicas
         if dep.kind == "prefill":
             in_step = {id(q) for r in reps for q, _ in r.step or ()}
@@ -663,7 +706,7 @@ class Simulator:
 
 
 def _changes(series: list[int]) -> int:
-    return sum(a != b for a, b in zip(series, series[1:]))
+    return sum(a != b for a, b in itertools.pairwise(series))
 
 
 def offered_load(requests: list[TraceRequest], profile: Profile, config: PlatformConfig,
@@ -671,6 +714,7 @@ def offered_load(requests: list[TraceRequest], profile: Profile, config: Platfor
     """Mean busy replicas each deployment needs over the trace at full batches: prefill in steps of the pool's
     token budget (after the cache), decode at the pool's batch cap and the trace's mean context. What the
     ``static`` policy splits the budget by."""
+    check_pools(requests, config)
     hit = profile.cache_token_hit_rate if cache_token_hit_rate is None else cache_token_hit_rate
     span = max((r.arrival_s for r in requests), default=0.0) - min((r.arrival_s for r in requests), default=0.0)
     span = max(span, 1e-9)
@@ -685,3 +729,110 @@ def offered_load(requests: list[TraceRequest], profile: Profile, config: Platfor
         load[f"prefill-{pool}"] = prompt * per_token / span
         load[f"decode-{pool}"] = out * profile.decode_s(pc.max_num_seqs, ctx) / pc.max_num_seqs / span
     return load
+
+
+# --- running policies side by side and writing the results ---------------------------------------------------
+
+POLICIES = ("static", "ray-default", "deltaserve")
+
+
+def make_policy(name: str, loads: dict[str, float]) -> Policy:
+    """A fresh policy by its CLI name. ``static`` splits the budget by ``loads`` (:func:`offered_load`);
+    ``ray-default``'s ceilings are the same proportional split (they sum to the budget); ``deltaserve`` reads
+    only the signals."""
+    from deployments.autoscaling import policy as policies
+
+    if name == "static":
+        return policies.StaticPolicy(loads)
+    if name == "ray-default":
+        return policies.RayDefaultPolicy(weights=loads)
+    if name == "deltaserve":
+        return policies.DeltaservePolicy()
+    raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+
+
+def simulate_policies(requests: list[TraceRequest], names: Iterable[str], profile: Profile, config: PlatformConfig,
+                      settings: SimSettings) -> list[SimResult]:
+    """Each named policy over the same trace, settings and seed."""
+    loads = offered_load(requests, profile, config, settings.cache_token_hit_rate)
+    return [Simulator(requests, make_policy(n, loads), profile, config, settings, name=n).run() for n in names]
+
+
+TABLE_COLUMNS = ("policy", "pool", "slo_attainment", "ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "tpot_p50_s",
+                 "tpot_p95_s", "tpot_p99_s", "replica_seconds", "scale_events", "direction_reversals",
+                 "dropped_requests", "aborted_streams", "budget_violations")
+
+
+def table_rows(results: list[SimResult]) -> list[dict]:
+    rows = []
+    for res in results:
+        for pool, r in res.pools.items():
+            rows.append({"policy": res.policy, "pool": pool, "slo_attainment": r.slo_attainment,
+                         **{f"ttft_{q}_s": r.ttft_s[q] for q in ("p50", "p95", "p99")},
+                         **{f"tpot_{q}_s": r.tpot_s[q] for q in ("p50", "p95", "p99")},
+                         "replica_seconds": r.replica_seconds, "scale_events": r.scale_events,
+                         "direction_reversals": r.direction_reversals, "dropped_requests": r.dropped_requests,
+                         "aborted_streams": r.aborted_streams, "budget_violations": res.budget_violations})
+    return rows
+
+
+def _cell(v: object) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def markdown_table(rows: list[dict], columns: Iterable[str] = TABLE_COLUMNS) -> str:
+    columns = list(columns)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def plot_timelines(results: list[SimResult], path) -> None:
+    """One column per policy: arrivals/s per pool, serving replicas per deployment, attainment over the window."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, len(results), figsize=(5.5 * len(results), 8), sharex=True, squeeze=False)
+    for col, res in enumerate(results):
+        tl, (load_ax, rep_ax, att_ax) = res.timeline, axes[:, col]
+        t = np.asarray(tl["t"]) / 60.0
+        for key in sorted(k for k in tl if k.startswith("load:")):
+            load_ax.plot(t, tl[key], lw=0.8, label=key.split(":", 1)[1])
+        for key in sorted(k for k in tl if k.startswith("replicas:")):
+            rep_ax.step(t, tl[key], where="post", lw=0.9, label=key.split(":", 1)[1])
+        for key in sorted(k for k in tl if k.startswith("attainment:")):
+            att_ax.plot(t, [np.nan if v is None else v for v in tl[key]], lw=0.8, label=key.split(":", 1)[1])
+        load_ax.set_title(res.policy)
+        load_ax.set_ylabel("arrivals / s")
+        rep_ax.set_ylabel("serving replicas")
+        att_ax.set_ylabel("SLO attainment (window)")
+        att_ax.set_ylim(0, 1.02)
+        att_ax.set_xlabel("simulated minutes")
+        for ax in (load_ax, rep_ax, att_ax):
+            ax.legend(fontsize=7, loc="upper right")
+            ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(results: list[SimResult], out_dir, meta: dict) -> dict:
+    """``simulation.json`` (per policy: per pool and per deployment figures, the settings), ``simulation.md``
+    (the table) and ``simulation.png`` (the timelines) in ``out_dir``; returns the paths."""
+    from pathlib import Path
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "simulation.json", "markdown": out / "simulation.md", "png": out / "simulation.png"}
+    paths["json"].write_text(json.dumps({"meta": meta, "policies": {r.policy: r.summary() for r in results}},
+                                        indent=1) + "\n")
+    paths["markdown"].write_text(f"# Autoscaler simulation\n\n{markdown_table(table_rows(results))}\n"
+                                 + "".join(f"- {k}: {v}\n" for k, v in meta.items()))
+    plot_timelines(results, paths["png"])
+    return {k: str(v) for k, v in paths.items()}

@@ -16,10 +16,11 @@ A bad row raises :class:`TraceError` naming the file, the line and the value.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 AZURE_HEADER = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -55,7 +56,7 @@ def default_traces_dir() -> Path:
 def _parse_timestamp(text: str) -> float:
     """``2023-11-16 18:17:03.9799600`` (UTC, any number of fractional digits) -> epoch seconds."""
     base, _, frac = text.strip().partition(".")
-    whole = datetime.strptime(base, "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc).timestamp()
+    whole = datetime.strptime(base, "%Y-%m-%d %H:%M:%S").replace(tzinfo=UTC).timestamp()
     if frac and not frac.isdigit():
         raise ValueError(f"fraction {frac!r} is not digits")
     return whole + (int(frac) / 10 ** len(frac) if frac else 0.0)
@@ -94,12 +95,12 @@ def _read_jsonl(path: Path, lines: list[str]) -> list[_Row]:
         try:
             obj = json.loads(line)
             if not isinstance(obj, dict):
-                raise ValueError(f"expected an object, got {type(obj).__name__}")
+                raise ValueError(f"expected an object, got {type(obj).__name__}")  # noqa: TRY004 (reported as a bad row)
             missing = [k for k in ("timestamp", "input_length", "output_length") if k not in obj]
             if missing:
                 raise ValueError(f"missing {', '.join(missing)}")
             ts = obj["timestamp"]
-            if isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts != ts or ts < 0:
+            if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
                 raise ValueError(f"timestamp must be a non-negative number of milliseconds, got {ts!r}")
             rows.append(_Row(ts / 1000.0, _length(obj["input_length"], "input_length"),
                              _length(obj["output_length"], "output_length")))

@@ -6,6 +6,8 @@
     deltaserve cache stats|flush [--tenant T]
     deltaserve usage [--tenant T] [--since 24h] [--json]
     deltaserve k8s render [--out k8s/] [--config FILE] [--check]
+    deltaserve autoscale simulate --trace standard=FILE --trace highspeed=FILE [--budget N] --out DIR
+    deltaserve autoscale profile --out FILE
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     gen.add_argument("--ids", action="store_true", help="print token ids instead of text")
     gen.set_defaults(func=_generate)
+    from deployments.cli.autoscale import add_autoscale_parser
     from deployments.cli.cache import add_cache_parser
     from deployments.cli.k8s import add_k8s_parser
     from deployments.cli.tenants import add_tenants_parser
@@ -72,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cache_parser(sub)
     add_usage_parser(sub)
     add_k8s_parser(sub)
+    add_autoscale_parser(sub)
     return parser
 
 

@@ -4,7 +4,7 @@ budget accounting, direction reversals, drains that abort nothing, and the CLI's
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +13,13 @@ import pytest
 from deployments.autoscaling.profile import DEFAULT_PROFILE, Profile, load_profile
 from deployments.autoscaling.signals import Budget, Decision
 from deployments.autoscaling.simulator import SimSettings, Simulator, count_reversals
-from deployments.autoscaling.traces import TraceError, TraceRequest, default_traces_dir, load_traces, read_rows
+from deployments.autoscaling.traces import (
+    TraceError,
+    TraceRequest,
+    default_traces_dir,
+    load_traces,
+    read_rows,
+)
 from deployments.config import PlatformConfig, PoolConfig
 
 NAMES = ("prefill-standard", "decode-standard")
@@ -21,8 +27,9 @@ NAMES = ("prefill-standard", "decode-standard")
 
 def exact_profile(**kw) -> Profile:
     """Deterministic costs: prefill 0.1 s + 1 ms per token, decode 10 ms + 1 ms per sequence; no handoff, no cache."""
-    base = dict(prefill_coef=(0.1, 0.001, 0.0), decode_coef=(0.01, 0.001, 0.0), noise_rel_sd=0.0,
-                replica_startup_s=5.0, handoff_coef=(0.0, 0.0), cache_token_hit_rate=0.0, cache_request_hit_rate=0.0)
+    base = {"prefill_coef": (0.1, 0.001, 0.0), "decode_coef": (0.01, 0.001, 0.0), "noise_rel_sd": 0.0,
+            "replica_startup_s": 5.0, "handoff_coef": (0.0, 0.0), "cache_token_hit_rate": 0.0,
+            "cache_request_hit_rate": 0.0}
     return Profile(**{**base, **kw})
 
 
@@ -70,7 +77,7 @@ def test_azure_csv_and_json_lines_share_one_origin(tmp_path):
     csv = tmp_path / "conv.csv"
     csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
                    "2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:50.9951690,396,109")  # no trailing newline
-    t0 = datetime(2023, 11, 16, 18, 15, 46, tzinfo=timezone.utc).timestamp() * 1000 + 680.59
+    t0 = datetime(2023, 11, 16, 18, 15, 46, tzinfo=UTC).timestamp() * 1000 + 680.59
     jl = tmp_path / "code.jsonl"
     jl.write_text(json.dumps({"timestamp": t0 - 1000.0, "input_length": 10, "output_length": 3}) + "\n\n"
                   + json.dumps({"timestamp": t0 + 500, "input_length": 7, "output_length": 1}) + "\n")
@@ -267,3 +274,53 @@ def test_bad_profile_names_the_file(tmp_path):
     path.write_text('{"prefill": {}}')
     with pytest.raises(ValueError, match=f"{path}: not a simulator profile"):
         load_profile(path)
+
+
+# --- the CLI ------------------------------------------------------------------------------------------
+
+
+def _jsonl(path: Path, rows: list[tuple[float, int, int]]) -> Path:
+    path.write_text("".join(json.dumps({"timestamp": t, "input_length": p, "output_length": o}) + "\n"
+                            for t, p, o in rows))
+    return path
+
+
+def test_cli_simulate_writes_json_markdown_and_png(tmp_path, capsys):
+    from deployments.cli.main import main
+
+    std = _jsonl(tmp_path / "std.jsonl", [(250.0 * i, 300 + i % 7 * 40, 20 + i % 5) for i in range(120)])
+    hs = _jsonl(tmp_path / "hs.jsonl", [(30_000 + 50.0 * i, 200, 8) for i in range(60)])
+    out = tmp_path / "out"
+    rc = main(["autoscale", "simulate", "--trace", f"standard={std}", "--trace", f"highspeed={hs}", "--speedup", "2",
+               "--token-scale", "2", "--budget", "6", "--seed", "3", "--out", str(out)])
+    assert rc == 0
+    data = json.loads((out / "simulation.json").read_text())
+    assert sorted(data["policies"]) == ["deltaserve", "ray-default", "static"]
+    assert data["meta"]["budget"] == 6 and data["meta"]["requests"] == 180
+    for res in data["policies"].values():
+        pools = res["pools"]
+        assert (pools["standard"]["requests"], pools["highspeed"]["requests"]) == (120, 60)
+        for pool in pools.values():
+            assert pool["completed"] + pool["dropped_requests"] + pool["aborted_streams"] == pool["requests"]
+            assert set(pool) >= {"slo_attainment", "ttft_s", "tpot_s", "replica_seconds", "scale_events",
+                                 "direction_reversals", "dropped_requests", "aborted_streams"}
+        assert res["budget_violations"] == 0 and res["peak_held"] <= 6
+        assert sorted(res["deployments"]) == sorted(NAMES + ("prefill-highspeed", "decode-highspeed"))
+    table = (out / "simulation.md").read_text()
+    assert sum(line.startswith("| static |") for line in table.splitlines()) == 2
+    assert (out / "simulation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| deltaserve | highspeed |" in capsys.readouterr().out
+
+
+def test_cli_simulate_errors_name_the_bad_value(tmp_path, capsys):
+    from deployments.cli.main import main
+
+    std = _jsonl(tmp_path / "std.jsonl", [(0.0, 10, 2)])
+    assert main(["autoscale", "simulate", "--trace", str(std), "--out", str(tmp_path / "o")]) == 2
+    assert f"--trace must be POOL=FILE, got '{std}'" in capsys.readouterr().err
+    assert main(["autoscale", "simulate", "--trace", f"standard={std}", "--policy", "static,magic",
+                 "--out", str(tmp_path / "o")]) == 2
+    assert "unknown ['magic']" in capsys.readouterr().err
+    assert main(["autoscale", "simulate", "--trace", f"premium={std}", "--out", str(tmp_path / "o")]) == 2
+    assert "trace pools ['premium'] are not pools of the platform config" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

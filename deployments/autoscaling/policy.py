@@ -220,10 +220,10 @@ def decode_need(s: DeploymentSignal, slo: Slo, p: DeltaserveParams) -> Need:
     return _largest(terms)
 
 
-def expert_need(s: DeploymentSignal, callers: int, p: DeltaserveParams) -> Need:
-    """Expert-shard replicas: follow the prefill + decode replicas that call the shard, or its own busy share."""
-    terms = [(callers / p.expert_callers_per_replica,
-              f"follows {callers} prefill + decode replicas / {_fmt(p.expert_callers_per_replica)} per replica")]
+def expert_need(s: DeploymentSignal, p: DeltaserveParams) -> Need:
+    """Expert-shard replicas its own busy share needs; following the replicas that call it is the
+    allocation's part (:meth:`DeltaservePolicy._allocate`)."""
+    terms = []
     if s.busy is not None and s.replicas:
         terms.append((s.replicas * s.busy / p.busy_target,
                       f"busy {_fmt(s.busy)} x {s.replicas} replicas > target {_fmt(p.busy_target)}"))
@@ -267,25 +267,30 @@ class DeltaservePolicy:
         check_feasible(names, budget)
         engines = [n for n in names if obs.signals[n].kind != "expert"]
         experts = [n for n in names if obs.signals[n].kind == "expert"]
-        needs = {n: self._engine_need(obs.signals[n], obs) for n in engines}
-        wanted = {n: self._hold(n, obs.signals[n], needs[n], obs.time_s) for n in engines}
-        callers = sum(wanted.values())
-        own: dict[str, int] = {}
-        for n in experts:
-            s = obs.signals[n]
-            wanted[n] = self._hold(n, s, expert_need(s, callers, self.params), obs.time_s)
-            own[n] = math.ceil(expert_need(s, 0, self.params).replicas - _EPS)
+        wanted = {n: self._hold(n, obs.signals[n], self._engine_need(obs.signals[n], obs), obs.time_s) for n in engines}
+        own = {n: self._hold(n, obs.signals[n], expert_need(obs.signals[n], self.params), obs.time_s) for n in experts}
+        wanted |= {n: max(own[n], self._follow(sum(wanted[e] for e in engines))) for n in experts}
         targets = self._allocate(obs, budget, wanted, own, engines, experts)
-        callers_given = sum(targets[n] for n in engines)
+        given = sum(targets[n] for n in engines)
         reasons = {}
         for n in names:
-            note = _bounds_note(n, wanted[n], targets[n], budget)
-            if n in experts and note.startswith("cut") and targets[n] >= min(wanted[n], max(own[n], math.ceil(
-                    callers_given / self.params.expert_callers_per_replica - _EPS))):
-                note = f"trimmed to the {callers_given} prefill + decode replicas the budget gave"
-            reasons[n] = _reason(n, obs.signals[n].replicas + obs.signals[n].starting, targets[n],
-                                 self._holds[n].rule, note)
+            current = obs.signals[n].replicas + obs.signals[n].starting
+            if n in experts:
+                reasons[n] = self._expert_reason(n, current, targets[n], own[n], given, budget)
+            else:
+                reasons[n] = _reason(n, current, targets[n], self._holds[n].rule,
+                                     _bounds_note(n, wanted[n], targets[n], budget))
         return Decision(targets=targets, reasons=reasons, wanted=wanted)
+
+    def _follow(self, callers: int) -> int:
+        """Replicas an expert shard needs for ``callers`` prefill + decode replicas."""
+        return math.ceil(callers / self.params.expert_callers_per_replica - _EPS)
+
+    def _expert_reason(self, name: str, current: int, target: int, own: int, given: int, budget: Budget) -> str:
+        follow = self._follow(given)
+        rule = (f"follows the {given} prefill + decode replicas given / "
+                f"{_fmt(self.params.expert_callers_per_replica)} per replica" if follow >= own else self._holds[name].rule)
+        return _reason(name, current, target, rule, _bounds_note(name, max(follow, own), target, budget))
 
     def _engine_need(self, s: DeploymentSignal, obs: Observation) -> Need:
         slo = Slo(*obs.slo[s.pool])
@@ -338,26 +343,41 @@ class DeltaservePolicy:
 
     def _allocate(self, obs: Observation, budget: Budget, wanted: dict[str, int], own: dict[str, int],
                   engines: list[str], experts: list[str]) -> dict[str, int]:
-        """Floors (pins) first; then each pool in priority order up to what it wants (a short budget is
-        split in proportion to the wants), expert shards right after the first pool; then the shards are
-        trimmed to what the engine replicas actually given need (``own``: what their busy share needs)
-        and what that frees goes to the pools again."""
+        """Floors (pins) first; then the pools in priority order, one replica at a time to the deployment
+        furthest below its want (a short budget is split in proportion to the wants). Each engine replica
+        given takes the expert-shard replicas it needs with it (every shard alike), so a replica is given
+        only if both fit; after the first pool the shards also get what their own busy share needs."""
         counts = {n: _floor(n, budget) for n in engines + experts}
-        limit = {n: max(counts[n], min(_ceiling(n, budget), wanted[n])) for n in counts}
+        limit = {n: max(counts[n], min(_ceiling(n, budget), wanted[n])) for n in engines}
+        expert_limit = {n: max(counts[n], _ceiling(n, budget)) for n in experts}
+        counts = raise_together(experts, counts, budget, {n: min(expert_limit[n], self._follow(
+            sum(counts[e] for e in engines))) for n in experts})
         pools = list(self.params.priority) + sorted({obs.signals[n].pool for n in engines} - set(self.params.priority))
-        groups = [[n for n in engines if obs.signals[n].pool == pool] for pool in pools]
-        for i, group in enumerate(groups):
-            counts = apportion(group, {n: float(wanted[n]) for n in group}, counts, budget, limit)
+        for i, pool in enumerate(pools):
+            group = [n for n in engines if obs.signals[n].pool == pool]
+            counts = self._fill(group, wanted, counts, budget, limit, experts, expert_limit, engines)
             if i == 0:
-                counts = raise_together(experts, counts, budget, limit)
-        if experts:
-            callers = sum(counts[n] for n in engines)
-            follow = math.ceil(callers / self.params.expert_callers_per_replica - _EPS)
-            for n in experts:
-                counts[n] = max(_floor(n, budget), min(counts[n], max(follow, own[n])))
-            for group in groups:
-                counts = apportion(group, {n: float(wanted[n]) for n in group}, counts, budget, limit)
+                counts = raise_together(experts, counts, budget, {n: min(expert_limit[n], own[n]) for n in experts})
         return counts
+
+    def _fill(self, group: list[str], wanted: dict[str, int], counts: dict[str, int], budget: Budget,
+              limit: dict[str, int], experts: list[str], expert_limit: dict[str, int], engines: list[str]) -> dict[str, int]:
+        out, blocked = dict(counts), set()
+        left = budget.total - budget.spent(out)
+        while True:
+            open_ = [n for n in group if n not in blocked and out[n] < limit[n]]
+            if not open_:
+                return out
+            pick = min(open_, key=lambda n: (out[n] / max(wanted[n], 1), group.index(n)))
+            follow = self._follow(sum(out[e] for e in engines) + 1)
+            raise_to = {n: max(out[n], min(expert_limit[n], follow)) for n in experts}
+            cost = budget.cost_of(pick) + sum(budget.cost_of(n) * (raise_to[n] - out[n]) for n in experts)
+            if cost > left + _EPS:
+                blocked.add(pick)
+                continue
+            out[pick] += 1
+            out |= raise_to
+            left -= cost
 
 
 def raise_together(names: list[str], counts: dict[str, int], budget: Budget, limit: dict[str, int]) -> dict[str, int]:
@@ -530,8 +550,7 @@ class RayDefaultPolicy:
                 f"per replica = {_fmt(desired)}")
         decision, wait = self._delay(st, max(0, scaled), now, low)
         st.target = max(low, min(high, decision))
-        if wait is not None:
-            rule += f" -> {scaled}; delay {_fmt(wait)} s still to wait"
+        rule += f" -> {scaled}" + (f"; delay {_fmt(wait)} s still to wait" if wait is not None else "")
         if st.target != decision:
             rule += f"; bounded to [{low}, {high}]"
         return st.target, rule

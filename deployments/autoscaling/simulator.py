@@ -57,6 +57,7 @@ from deployments.autoscaling.traces import TraceRequest
 from deployments.config import PlatformConfig, PoolConfig
 
 KINDS = ("prefill", "decode")
+SCALE_LOG_MAX = 500  # target changes kept per deployment (with the policy's reasons) in a result
 
 
 def check_pools(requests: Iterable[TraceRequest], config: PlatformConfig) -> None:
@@ -188,6 +189,7 @@ class Deployment:
         self.queue: deque[SimRequest] = deque()
         self.target = 0
         self.targets: list[int] = []  # the first decision's, then one per tick
+        self.scale_log: list[dict] = []  # each target change: time, from, to, the policy's reason
         self.arrivals: deque[tuple[float, int]] = deque()  # (time, prompt tokens to compute)
         self.busy_s = 0.0  # cumulative stepping seconds (credited when a step starts)
         self.tokens = 0  # cumulative prompt tokens computed (prefill)
@@ -619,7 +621,11 @@ class Simulator:
         decision = self.policy.decide(self.observe(), self.settings.budget)
         targets = self._check(decision)
         for name, dep in self.deps.items():
-            dep.target = max(0, int(targets[name]))
+            new = max(0, int(targets[name]))
+            if new != dep.target and len(dep.scale_log) < SCALE_LOG_MAX:
+                dep.scale_log.append({"t": round(self.now, 3), "from": dep.target, "to": new,
+                                      "reason": decision.reasons.get(name, "")})
+            dep.target = new
             dep.targets.append(dep.target)
             dep.history.append((self.now, dep.busy_s, dep.tokens))
             while dep.history and dep.history[0][0] < self.now - self.settings.window_s:
@@ -700,7 +706,7 @@ class Simulator:
         deployments = {name: {"replica_seconds": d.replica_seconds, "scale_events": _changes(d.targets),
                               "direction_reversals": count_reversals(d.targets),
                               "min_target": min(d.targets, default=d.target),
-                              "max_target": max(d.targets, default=d.target)}
+                              "max_target": max(d.targets, default=d.target), "scale_log": d.scale_log}
                        for name, d in self.deps.items()}
         return SimResult(self.name, pools, deployments, self.budget_violations, self.peak_held, end, self.timeline)
 

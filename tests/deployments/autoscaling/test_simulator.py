@@ -218,6 +218,7 @@ def test_scripted_targets_scale_events_reversals_and_cancelled_starts():
     assert (dep["scale_events"], dep["direction_reversals"]) == (4, 3)
     sim = result.pools["standard"]
     assert (sim.completed, sim.aborted_streams, sim.dropped_requests) == (100, 0, 0)
+    assert [(e["t"], e["from"], e["to"]) for e in dep["scale_log"]] == [(2.0, 1, 3), (4.0, 3, 1), (5.0, 1, 2), (6.0, 2, 1)]
     assert max(result.timeline["replicas:decode-standard"]) == 1
     assert [o.signals["decode-standard"].starting for o in policy.seen[:7]] == [0, 0, 0, 2, 2, 0, 1]
 

@@ -8,7 +8,7 @@ A tick of DeltaservePolicy::
 
     signal ──► need (float replicas, with the rule that set it) ──► hysteresis (up now, down after
     a cooldown below a dead band) ──► wanted count ──► allocate(budget: floors, then pools by priority,
-    expert shards after the pools that call them, ceilings, pins) ──► Decision(targets, reasons)
+    each engine replica with the expert-shard replicas it needs, ceilings, pins) ──► Decision(targets, reasons)
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class Need:
     """What one deployment's own signal asks for, before hysteresis and the budget."""
 
     replicas: float   # replicas the signal needs (fractional: 2.4 means "more than 2")
-    why: str          # the rule and values that set it, e.g. "waiting 9 + running 16 = 25 > 0.85 x batch cap 4 x 6"
+    why: str          # the rule and values that set it, e.g. "waiting 9 + running 16 = 25 vs 0.85 x batch cap 4"
     breach: bool      # a latency target is missed now (scale up without waiting)
 
 
@@ -200,7 +200,7 @@ def prefill_need(s: DeploymentSignal, slo: Slo, p: DeltaserveParams, rate: float
         terms = [(terms[0][0] + terms[1][0], terms[0][1] + " + " + terms[1][1])]
     if s.busy is not None and s.replicas:
         terms.append((s.replicas * s.busy / p.busy_target,
-                      f"busy {_fmt(s.busy)} x {s.replicas} replicas > target {_fmt(p.busy_target)}"))
+                      f"busy {_fmt(s.busy)} x {s.replicas} replicas vs target {_fmt(p.busy_target)}"))
     if s.ttft_s is not None and s.ttft_s > slo.ttft_s:
         return _breach(s, terms, s.ttft_s / slo.ttft_s, f"ttft p95 {_fmt(s.ttft_s)} s > target {_fmt(slo.ttft_s)} s", p)
     return _largest(terms)
@@ -226,7 +226,7 @@ def expert_need(s: DeploymentSignal, p: DeltaserveParams) -> Need:
     terms = []
     if s.busy is not None and s.replicas:
         terms.append((s.replicas * s.busy / p.busy_target,
-                      f"busy {_fmt(s.busy)} x {s.replicas} replicas > target {_fmt(p.busy_target)}"))
+                      f"busy {_fmt(s.busy)} x {s.replicas} replicas vs target {_fmt(p.busy_target)}"))
     return _largest(terms)
 
 

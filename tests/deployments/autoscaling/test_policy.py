@@ -297,7 +297,7 @@ def test_prefill_ttft_breach_and_busy_fallback():
     unknown = DeploymentSignal("prefill-standard", "standard", "prefill", 2, busy=0.9)
     need = prefill_need(unknown, SLO["standard"], p)
     assert math.isclose(need.replicas, 2 * 0.9 / 0.75)
-    assert need.why == "busy 0.9 x 2 replicas > target 0.75"
+    assert need.why == "busy 0.9 x 2 replicas vs target 0.75"
 
 
 def test_decode_need_takes_the_state_slots_when_they_bind():

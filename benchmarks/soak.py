@@ -47,6 +47,7 @@ PROMPTS = ["def fib(n):", "import os\nimport sys\n", "class Stack:\n    def push
            "with open(path) as f:\n", "async def fetch(url):\n", "@dataclass\nclass Point:\n", "while queue:\n"]
 GOOD_TOKENS = 24  # new tokens of a good request
 REQUEST_TIMEOUT_S = 120.0
+MEMORY_TOLERANCE = 0.10  # a replica's private resident memory at the end vs after warm-up
 
 
 @dataclass
@@ -56,6 +57,7 @@ class SoakCounts:
     good: int = 0  # good requests sent
     good_failed: list[str] = field(default_factory=list)  # good requests that did not complete: why
     good_mismatched: int = 0  # completed good streams whose text differs from the undisturbed run
+    mismatches: list[dict] = field(default_factory=list)  # each: model, prompt, request id, expected, got
     bad: int = 0  # bad requests sent
     disconnects: int = 0  # streams the client closed early
     server_errors: list[str] = field(default_factory=list)  # every response >= 500 / stream server error
@@ -89,8 +91,10 @@ def _bad_request(rng: random.Random, platform: Platform) -> tuple[dict, dict | s
 
 
 async def _stream(client: httpx.AsyncClient, headers: dict, body: dict, counts: SoakCounts,
-                  stop_after_chunks: int | None = None) -> tuple[int, str, str | None, bool, list[dict]]:
-    """``(status, text, finish_reason, saw [DONE], error events)`` of one SSE completion."""
+                  stop_after_chunks: int | None = None, ids: list[str] | None = None
+                  ) -> tuple[int, str, str | None, bool, list[dict]]:
+    """``(status, text, finish_reason, saw [DONE], error events)`` of one SSE completion; the
+    completion's id goes into ``ids`` when given."""
     text, finish, done, errors, chunks = [], None, False, [], 0
     async with client.stream("POST", "/v1/completions", headers=headers, json=body, timeout=REQUEST_TIMEOUT_S) as r:
         counts.statuses[r.status_code] += 1
@@ -109,6 +113,8 @@ async def _stream(client: httpx.AsyncClient, headers: dict, body: dict, counts: 
             if "error" in ev:
                 errors.append(ev["error"])
                 continue
+            if ids is not None and not ids and ev.get("id"):
+                ids.append(ev["id"])
             for ch in ev.get("choices", ()):
                 text.append(ch.get("text", ""))
                 finish = ch.get("finish_reason") or finish
@@ -128,8 +134,9 @@ async def _client(platform: Platform, rng: random.Random, undisturbed: dict, dea
                     counts.good += 1
                     body = {"model": model, "prompt": prompt, "max_tokens": GOOD_TOKENS, "temperature": 0,
                             "ignore_eos": True, "stream": True}
+                    rid: list[str] = []
                     try:
-                        status, text, finish, done, errors = await _stream(client, platform.auth, body, counts)
+                        status, text, finish, done, errors = await _stream(client, platform.auth, body, counts, ids=rid)
                     except httpx.HTTPError as e:
                         counts.good_failed.append(f"{model}: {type(e).__name__} ({e})")
                         continue
@@ -141,6 +148,8 @@ async def _client(platform: Platform, rng: random.Random, undisturbed: dict, dea
                         counts.good_failed.append(f"{model}: finish {finish}, [DONE] {done} ({prompt!r})")
                     elif text != undisturbed[model, prompt]:
                         counts.good_mismatched += 1
+                        counts.mismatches.append({"model": model, "prompt": prompt, "request_id": rid[0] if rid else "",
+                                                  "expected": undisturbed[model, prompt], "got": text})
                 elif roll < 0.85:
                     counts.bad += 1
                     headers, body = _bad_request(rng, platform)
@@ -161,6 +170,39 @@ async def _client(platform: Platform, rng: random.Random, undisturbed: dict, dea
                 counts.server_errors.append(f"no answer: {type(e).__name__}: {e}")
 
 
+def _log_lines(request_id: str) -> list[str]:
+    """Lines of the Ray sessions' Serve logs that name ``request_id`` (failovers, errors)."""
+    if not request_id:
+        return []
+    out = []
+    for path in sorted(Path("/tmp/ray").glob("session_*/logs/serve/*.log")):
+        try:
+            out += [f"{path.name}: {ln.strip()[:300]}" for ln in path.read_text(errors="replace").splitlines()
+                    if request_id in ln]
+        except OSError:
+            continue
+    return out
+
+
+def _lru_kib(platform: Platform) -> dict[str, int]:
+    """Bytes each replica holds in its in-replica cache LRU (``deltaserve_cache_lru_bytes``, a bounded
+    cache: ``cache.lru_mib``), KiB, by replica id (the actor name's last part), from Ray's metrics
+    export port; {} when it cannot be read."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"http://127.0.0.1:{platform.metrics_export_port}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "ray_deltaserve_cache_lru_bytes":
+            for sample in family.samples:
+                rid = sample.labels.get("replica", "").split("#")[-1]
+                out[rid] = out.get(rid, 0) + int(sample.value) // 1024
+    return out
+
+
 def _replica_actors() -> list[dict]:
     """Alive Serve replica actors: name, class name and pid."""
     import ray
@@ -170,14 +212,20 @@ def _replica_actors() -> list[dict]:
             if a["State"] == "ALIVE" and a["ActorClassName"].startswith("ServeReplica:")]
 
 
-def _rss_kib(pid: int) -> int | None:
+def _rss_kib(pid: int) -> dict[str, int] | None:
+    """Resident memory of ``pid``, KiB: ``rss`` (VmRSS) and its parts ``anon`` (the process's own heap),
+    ``file`` and ``shmem`` (shared mappings: Ray's object store, whose pages a replica that puts
+    handoff states there touches, belong to the store, not to the replica)."""
+    fields = {"VmRSS:": "rss", "RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem"}
+    out: dict[str, int] = {}
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
+            key = line.split(":")[0] + ":"
+            if key in fields:
+                out[fields[key]] = int(line.split()[1])
     except OSError:
         return None
-    return None
+    return out if "rss" in out else None
 
 
 def _running_decode_replicas() -> int:
@@ -202,6 +250,17 @@ def _killer(every_s: float, t0: float, stop: threading.Event, counts: SoakCounts
         ray.kill(ray.get_actor(victim["name"], namespace="serve"), no_restart=True)
         counts.kills.append(f"{time.monotonic() - t0:.0f}s: killed {victim['name']} (pid {victim['pid']}; "
                             f"waited {time.monotonic() - waited:.0f} s for two running)")
+
+
+def _sampler(every_s: float, t0: float, stop: threading.Event, timeline: list[tuple[float, dict[str, int]]]) -> None:
+    """Every ``every_s``: each live replica's private resident memory (KiB), by replica name."""
+    while not stop.wait(every_s):
+        sample = {}
+        for a in _replica_actors():
+            mem = _rss_kib(a["pid"])
+            if mem and "anon" in mem:
+                sample[a["name"]] = mem["anon"]
+        timeline.append((time.monotonic() - t0, sample))
 
 
 def undisturbed_run(platform: Platform) -> dict[tuple[str, str], str]:
@@ -232,7 +291,9 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--duration-s", type=float, default=120.0)
     ap.add_argument("--kill-every-s", type=float, default=20.0)
-    ap.add_argument("--warmup-s", type=float, default=20.0, help="the same load, no kills, before memory is read")
+    ap.add_argument("--warmup-s", type=float, default=60.0,
+                    help="the same load, kills included, before memory is read: long enough for every replica's "
+                         "allocator to reach its working size (the first failovers, the largest batches)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
@@ -243,23 +304,37 @@ def main() -> int:
         if undisturbed_run(platform) != undisturbed:
             print("warning: two undisturbed runs differ", flush=True)
         warm = SoakCounts()
+        stop_warm = threading.Event()
+        warm_killer = threading.Thread(target=_killer, daemon=True, args=(
+            args.kill_every_s, time.monotonic(), stop_warm, warm, random.Random(args.seed + 10_000)))
+        warm_killer.start()
         asyncio.run(_load(platform, args.clients, args.warmup_s, undisturbed, warm, args.seed + 10_000))
+        stop_warm.set()
+        warm_killer.join()
         rss_warm = {a["name"]: (a["class"], _rss_kib(a["pid"])) for a in _replica_actors()}
-        print(f"warm-up: {warm.good} good ({len(warm.good_failed)} failed), {warm.bad} bad, "
-              f"{len(warm.server_errors)} >= 500", flush=True)
+        lru_warm = _lru_kib(platform)
+        print(f"warm-up: {warm.good} good ({len(warm.good_failed)} failed, {warm.good_mismatched} not identical), "
+              f"{warm.bad} bad, {len(warm.server_errors)} >= 500, {len(warm.kills)} kills", flush=True)
 
         counts = SoakCounts()
         stop = threading.Event()
         t0 = time.monotonic()
         killer = threading.Thread(target=_killer, args=(args.kill_every_s, t0, stop, counts, random.Random(args.seed)),
                                   daemon=True)
+        timeline: list[tuple[float, dict[str, int]]] = []
+        sampler = threading.Thread(target=_sampler, args=(args.duration_s / 6, t0, stop, timeline), daemon=True)
         killer.start()
+        sampler.start()
         asyncio.run(_load(platform, args.clients, args.duration_s, undisturbed, counts, args.seed))
         stop.set()
         killer.join()
+        sampler.join()
         wall = time.monotonic() - t0
         time.sleep(2)
         rss_end = {a["name"]: (a["class"], _rss_kib(a["pid"])) for a in _replica_actors()}
+        lru_end = _lru_kib(platform)
+        for m in counts.mismatches:  # what the platform logged about each stream that differs
+            m["log"] = _log_lines(m["request_id"])
         failovers = None
         try:
             from ray import serve
@@ -271,9 +346,18 @@ def main() -> int:
     memory = []
     for name, (cls, end) in sorted(rss_end.items()):
         start = rss_warm.get(name, (cls, None))[1]
-        memory.append({"replica": name, "deployment": cls.split(":")[-1], "rss_warm_mib": start and round(start / 1024, 1),
-                       "rss_end_mib": end and round(end / 1024, 1),
-                       "growth": round(end / start - 1, 4) if start and end else None})
+        row = {"replica": name, "deployment": cls.split(":")[-1]}
+        for part in ("rss", "anon", "shmem"):
+            a, b = (start or {}).get(part), (end or {}).get(part)
+            row[f"{part}_warm_mib"], row[f"{part}_end_mib"] = a and round(a / 1024, 1), b and round(b / 1024, 1)
+            row[f"{part}_growth"] = round(b / a - 1, 4) if a and b else None
+        rid = name.split("#")[-1]
+        a, b = (start or {}).get("anon"), (end or {}).get("anon")
+        la, lb = lru_warm.get(rid, 0), lru_end.get(rid, 0)
+        row["lru_warm_mib"], row["lru_end_mib"] = round(la / 1024, 1), round(lb / 1024, 1)
+        # the private memory outside the LRU, a cache bounded by cache.lru_mib that fills as new prefixes arrive
+        row["net_growth"] = round((b - lb) / (a - la) - 1, 4) if a and b and a > la else None
+        memory.append(row)
     completed = counts.good - len(counts.good_failed)
     print()
     print(f"load: {args.clients} clients, {wall:.0f} s, kills every {args.kill_every_s:.0f} s")
@@ -285,22 +369,42 @@ def main() -> int:
           f"{len(counts.server_errors)}; statuses {dict(sorted(counts.statuses.items()))}; ingress failovers {failovers}")
     for reason, n in Counter(f.split(" (")[0] for f in counts.good_failed).most_common():
         print(f"  failed good requests: {n} x {reason}")
+    for m in counts.mismatches:
+        print(f"  mismatch {m['request_id']} {m['model']} {m['prompt']!r}:\n    expected {m['expected']!r}\n"
+              f"    got      {m['got']!r}")
+        for line in m["log"][:6]:
+            print(f"    log: {line}")
     for f in counts.good_failed[:5]:
         print(f"  failed: {f}")
     for e in counts.server_errors[:5]:
         print(f"  >= 500: {e}")
-    print("resident memory (after warm-up -> end; replicas started during the load have no warm-up figure):")
+    print("resident memory, MiB (after warm-up -> end; replicas started during the load have no warm-up figure):")
+    print(f"  {'deployment':18s} {'replica':60s} {'private (RssAnon)':>28s} {'of it the cache LRU':>20s} "
+          f"{'private - LRU':>14s} {'total (VmRSS)':>28s} {'shared (RssShmem)':>22s}")
+
+    def cell(m: dict, part: str) -> str:
+        growth = "n/a" if m[f"{part}_growth"] is None else f"{m[f'{part}_growth']:+.1%}"
+        return f"{m[f'{part}_warm_mib']!s:>7s} -> {m[f'{part}_end_mib']!s:>7s} ({growth})"
+
     for m in memory:
-        growth = "n/a" if m["growth"] is None else f"{m['growth']:+.1%}"
-        print(f"  {m['deployment']:18s} {m['replica']:60s} {m['rss_warm_mib']!s:>8s} -> {m['rss_end_mib']!s:>8s} MiB "
-              f"({growth})")
+        net = "n/a" if m["net_growth"] is None else f"{m['net_growth']:+.1%}"
+        lru = f"{m['lru_warm_mib']} -> {m['lru_end_mib']}"
+        print(f"  {m['deployment']:18s} {m['replica']:60s} {cell(m, 'anon'):>28s} {lru:>20s} {net:>14s} "
+              f"{cell(m, 'rss'):>28s} {cell(m, 'shmem'):>22s}")
+    print("private resident memory during the load, MiB (replicas alive from warm-up to the end):")
+    for name in sorted(n for n, (_, v) in rss_warm.items() if v and n in rss_end):
+        points = [f"{t:.0f}s {sample[name] / 1024:.0f}" for t, sample in timeline if name in sample]
+        print(f"  {name.split('#')[1]:18s} warm {rss_warm[name][1]['anon'] / 1024:.0f} | {' | '.join(points)}")
     print(f"Reproduce: {COMMAND} --clients {args.clients} --duration-s {args.duration_s:.0f} "
           f"--kill-every-s {args.kill_every_s:.0f} --seed {args.seed}")
-    summary = {k: v for k, v in asdict(counts).items() if k not in ("good_failed", "server_errors")}
+    summary = {k: v for k, v in asdict(counts).items() if k not in ("good_failed", "server_errors", "mismatches")}
     summary.update(good_failed=len(counts.good_failed), server_errors=len(counts.server_errors), completed=completed,
                    memory=memory, wall_s=round(wall, 1), failovers=failovers, statuses=dict(counts.statuses))
     print(json.dumps(summary, default=str))
-    return 0 if not counts.good_failed and not counts.server_errors and not counts.good_mismatched else 1
+    grew = [m["replica"] for m in memory if m["anon_growth"] is not None and abs(m["anon_growth"]) > MEMORY_TOLERANCE]
+    if grew:
+        print(f"private memory beyond +-{MEMORY_TOLERANCE:.0%} of its warm-up size: {grew}")
+    return 0 if not (counts.good_failed or counts.server_errors or counts.good_mismatched or grew) else 1
 
 
 if __name__ == "__main__":

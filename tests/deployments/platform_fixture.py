@@ -46,6 +46,7 @@ class Platform:
     proc: subprocess.Popen
     ray_env: dict[str, str]  # RAY_AUTH_MODE / RAY_AUTH_TOKEN a driver needs to join the cluster
     output: list[str] = field(default_factory=list)  # what `deltaserve up` printed so far
+    metrics_export_port: int = 0  # Ray's metrics export port (http://127.0.0.1:<port>/metrics); no Prometheus runs
 
     @property
     def auth(self) -> dict[str, str]:
@@ -124,7 +125,7 @@ def start_platform(workdir: Path, *extra_args: str, cache: bool = False, timeout
     killed if it has not exited 120 s later."""
     workdir.mkdir(parents=True, exist_ok=True)
     key, standard_only = write_tenants(workdir / "tenants.yaml")
-    http_port, grpc_port = find_free_port(), find_free_port()
+    http_port, grpc_port, metrics_port = find_free_port(), find_free_port(), find_free_port()
     ray_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_") and k != "RAY_AUTH_TOKEN_PATH"}
     env.update(ray_env)
@@ -133,11 +134,12 @@ def start_platform(workdir: Path, *extra_args: str, cache: bool = False, timeout
     proc = subprocess.Popen(
         [sys.executable, "-m", "deployments.cli.main", "up", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
          "--tenants", str(workdir / "tenants.yaml"), *(() if cache else ("--no-cache",)), "--expert-transport", "direct",
-         *extra_args],
+         "--metrics-export-port", str(metrics_port), "--no-prometheus", *extra_args],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()
-    platform = Platform(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", key, standard_only, proc, ray_env)
+    platform = Platform(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", key, standard_only, proc, ray_env,
+                        metrics_export_port=metrics_port)
     try:
         deadline = time.monotonic() + timeout_s
         while not any(ln.lstrip().startswith("curl ") for ln in platform.output):

@@ -28,6 +28,7 @@ class Need:
     replicas: float   # replicas the signal needs (fractional: 2.4 means "more than 2")
     why: str          # the rule and values that set it, e.g. "waiting 9 + running 16 = 25 vs 0.85 x batch cap 4"
     breach: bool      # a latency target is missed now (scale up without waiting)
+    base: float = 0.0  # the sustained part: arrival rate or running sequences, without backlog or breach terms
 
 
 def _fmt(x: float) -> str:
@@ -116,11 +117,15 @@ class DeltaserveParams:
     busy_target: float = 0.75            # share of the time a prefill / expert replica may be stepping
     breach_factor_max: float = 2.0       # on a latency breach: at most this many times the current replicas
     up_tolerance: float = 0.1            # scale up once the need exceeds the current count by more than this
-    down_band: float = 0.8               # scale down to n only while the need stays <= down_band x n
-    down_cooldown_s: float = 60.0        # ... for this long, and this long after the last change
+    down_band: float = 0.6               # scale down to n only while the need stays <= down_band x n
+    down_cooldown_s: float = 600.0       # ... for this long, and this long after the last change
     breach_cooldown_s: float = 15.0      # between two breach-driven steps (new replicas need time to start)
     expert_callers_per_replica: float = 4.0  # prefill + decode replicas one expert-shard replica serves
     priority: tuple[str, ...] = ("highspeed", "standard")  # pools in the order their SLO is protected
+    sustained_tau_s: float = 120.0       # time constant of the slow arrival-rate average that sets prefill's
+                                         # sustained need (bursts shorter than this count as backlog)
+    sustained_first: bool = True         # give every pool its sustained need (rate, running) before any pool's
+                                         # backlog and breach extras; False: each pool all it wants in turn
     forecast_horizon_s: float = 0.0      # size prefill for the arrival rate this far ahead (Holt); 0 = off
     forecast_alpha: float = 0.3          # Holt level smoothing
     forecast_beta: float = 0.1           # Holt trend smoothing
@@ -178,16 +183,21 @@ class _Hold:
     rule: str = ""           # why ``wanted`` has its value
 
 
-def prefill_need(s: DeploymentSignal, slo: Slo, p: DeltaserveParams, rate: float | None = None) -> Need:
+def prefill_need(s: DeploymentSignal, slo: Slo, p: DeltaserveParams, rate: float | None = None,
+                 sustained_rate: float | None = None) -> Need:
     """Prefill replicas from queued prompt tokens, the prompt-token arrival rate and TTFT vs its target.
 
-    ``rate`` overrides the signal's arrival rate (the forecast)."""
+    ``rate`` overrides the signal's arrival rate (the forecast); ``sustained_rate`` (the slow average)
+    sets the sustained part (default: the rate)."""
     rate = s.arrival_rate if rate is None else rate
     capacity = s.tokens_per_s or p.prefill_tokens_per_s
     terms: list[tuple[float, str]] = []
+    base = 0.0
     if capacity:
         if s.mean_prompt_tokens is not None:
             demand = rate * s.mean_prompt_tokens
+            base = (demand if sustained_rate is None else sustained_rate * s.mean_prompt_tokens) / (
+                capacity * p.prefill_utilization)
             terms.append((demand / (capacity * p.prefill_utilization),
                           f"arrivals {_fmt(rate)}/s x {_fmt(s.mean_prompt_tokens)} prompt tokens = {_fmt(demand)} tok/s "
                           f"vs {_fmt(p.prefill_utilization)} x {_fmt(capacity)} tok/s per replica"))
@@ -199,25 +209,31 @@ def prefill_need(s: DeploymentSignal, slo: Slo, p: DeltaserveParams, rate: float
     if len(terms) == 2:
         terms = [(terms[0][0] + terms[1][0], terms[0][1] + " + " + terms[1][1])]
     if s.busy is not None and s.replicas:
+        if not (capacity and s.mean_prompt_tokens is not None):  # no rate term: the busy share is all there is
+            base = s.replicas * s.busy / p.busy_target
         terms.append((s.replicas * s.busy / p.busy_target,
                       f"busy {_fmt(s.busy)} x {s.replicas} replicas vs target {_fmt(p.busy_target)}"))
     if s.ttft_s is not None and s.ttft_s > slo.ttft_s:
-        return _breach(s, terms, s.ttft_s / slo.ttft_s, f"ttft p95 {_fmt(s.ttft_s)} s > target {_fmt(slo.ttft_s)} s", p)
-    return _largest(terms)
+        return _breach(s, terms, s.ttft_s / slo.ttft_s, f"ttft p95 {_fmt(s.ttft_s)} s > target {_fmt(slo.ttft_s)} s", p,
+                       base)
+    return _largest(terms, base)
 
 
 def decode_need(s: DeploymentSignal, slo: Slo, p: DeltaserveParams) -> Need:
     """Decode replicas from running + waiting sequences vs the batch cap, state slots, TPOT vs its target."""
     seqs = s.running + s.waiting
+    base = s.running / (s.batch_cap * p.decode_fill)
     terms = [(seqs / (s.batch_cap * p.decode_fill),
               f"waiting {s.waiting} + running {s.running} = {seqs} vs {_fmt(p.decode_fill)} x batch cap {s.batch_cap}")]
     if s.slots_total:
         per_replica = s.slots_total / max(s.replicas, 1)
+        base = max(base, s.slots_used / (per_replica * p.slots_fill))
         terms.append((s.slots_used / (per_replica * p.slots_fill),
                       f"slots {s.slots_used} used vs {_fmt(p.slots_fill)} x {_fmt(per_replica)} per replica"))
     if s.tpot_s is not None and s.tpot_s > slo.tpot_s:
-        return _breach(s, terms, s.tpot_s / slo.tpot_s, f"tpot p95 {_fmt(s.tpot_s)} s > target {_fmt(slo.tpot_s)} s", p)
-    return _largest(terms)
+        return _breach(s, terms, s.tpot_s / slo.tpot_s, f"tpot p95 {_fmt(s.tpot_s)} s > target {_fmt(slo.tpot_s)} s", p,
+                       base)
+    return _largest(terms, base)
 
 
 def expert_need(s: DeploymentSignal, p: DeltaserveParams) -> Need:
@@ -230,22 +246,23 @@ def expert_need(s: DeploymentSignal, p: DeltaserveParams) -> Need:
     return _largest(terms)
 
 
-def _largest(terms: list[tuple[float, str]]) -> Need:
+def _largest(terms: list[tuple[float, str]], base: float | None = None) -> Need:
     if not terms:
         return Need(0.0, "no load signal", False)
     replicas, why = max(terms, key=lambda t: t[0])
-    return Need(replicas, why, False)
+    return Need(replicas, why, False, replicas if base is None else min(base, replicas))
 
 
-def _breach(s: DeploymentSignal, terms: list[tuple[float, str]], ratio: float, why: str, p: DeltaserveParams) -> Need:
+def _breach(s: DeploymentSignal, terms: list[tuple[float, str]], ratio: float, why: str, p: DeltaserveParams,
+            base: float) -> Need:
     """A missed latency target: at least one replica more than now (up to ``breach_factor_max`` x), or what
     the load terms ask for if that is more."""
     now = s.replicas + s.starting
     step = max(now + 1.0, now * min(ratio, p.breach_factor_max))
     load = _largest(terms)
     if load.replicas >= step:
-        return Need(load.replicas, f"{load.why}; {why}", True)
-    return Need(step, why, True)
+        return Need(load.replicas, f"{load.why}; {why}", True, base)
+    return Need(step, why, True, base)
 
 
 class DeltaservePolicy:
@@ -257,6 +274,7 @@ class DeltaservePolicy:
         self.params = params or DeltaserveParams()
         self._holds: dict[str, _Hold] = {}
         self._holt: dict[str, _Holt] = {}
+        self._slow: dict[str, tuple[float, float]] = {}  # prefill deployment -> (time_s, slow arrival rate)
         self._last_s = -math.inf
 
     def decide(self, obs: Observation, budget: Budget) -> Decision:
@@ -267,10 +285,14 @@ class DeltaservePolicy:
         check_feasible(names, budget)
         engines = [n for n in names if obs.signals[n].kind != "expert"]
         experts = [n for n in names if obs.signals[n].kind == "expert"]
-        wanted = {n: self._hold(n, obs.signals[n], self._engine_need(obs.signals[n], obs), obs.time_s) for n in engines}
+        needs = {n: self._engine_need(obs.signals[n], obs) for n in engines}
+        wanted = {n: self._hold(n, obs.signals[n], needs[n], obs.time_s) for n in engines}
+        sustained = {n: min(wanted[n], self._hold(f"{n} sustained", obs.signals[n],
+                                                  Need(needs[n].base, needs[n].why, False), obs.time_s))
+                     for n in engines}
         own = {n: self._hold(n, obs.signals[n], expert_need(obs.signals[n], self.params), obs.time_s) for n in experts}
         wanted |= {n: max(own[n], self._follow(sum(wanted[e] for e in engines))) for n in experts}
-        targets = self._allocate(obs, budget, wanted, own, engines, experts)
+        targets = self._allocate(obs, budget, wanted, sustained, own, engines, experts)
         given = sum(targets[n] for n in engines)
         reasons = {}
         for n in names:
@@ -296,7 +318,18 @@ class DeltaservePolicy:
         slo = Slo(*obs.slo[s.pool])
         if s.kind == "decode":
             return decode_need(s, slo, self.params)
-        return prefill_need(s, slo, self.params, self._forecast(s, obs.time_s))
+        return prefill_need(s, slo, self.params, self._forecast(s, obs.time_s), self._slow_rate(s, obs.time_s))
+
+    def _slow_rate(self, s: DeploymentSignal, now: float) -> float:
+        """Exponentially weighted mean of the arrival rate, time constant ``sustained_tau_s``."""
+        last = self._slow.get(s.name)
+        if last is None:
+            rate = s.arrival_rate
+        else:
+            weight = 1.0 - math.exp(-(now - last[0]) / self.params.sustained_tau_s)
+            rate = last[1] + weight * (s.arrival_rate - last[1])
+        self._slow[s.name] = (now, rate)
+        return rate
 
     def _forecast(self, s: DeploymentSignal, now: float) -> float | None:
         p = self.params
@@ -341,23 +374,29 @@ class DeltaservePolicy:
                       f"holding {h.wanted}")
         return h.wanted
 
-    def _allocate(self, obs: Observation, budget: Budget, wanted: dict[str, int], own: dict[str, int],
-                  engines: list[str], experts: list[str]) -> dict[str, int]:
+    def _allocate(self, obs: Observation, budget: Budget, wanted: dict[str, int], sustained: dict[str, int],
+                  own: dict[str, int], engines: list[str], experts: list[str]) -> dict[str, int]:
         """Floors (pins) first; then the pools in priority order, one replica at a time to the deployment
-        furthest below its want (a short budget is split in proportion to the wants). Each engine replica
-        given takes the expert-shard replicas it needs with it (every shard alike), so a replica is given
-        only if both fit; after the first pool the shards also get what their own busy share needs."""
+        furthest below its want (a short budget is split in proportion to the wants): with
+        ``sustained_first`` a first round up to each deployment's sustained need, a second up to its whole
+        want. Each engine replica given takes the expert-shard replicas it needs with it (every shard
+        alike), so a replica is given only if both fit; after the first pool the shards also get what their
+        own busy share needs."""
         counts = {n: _floor(n, budget) for n in engines + experts}
         limit = {n: max(counts[n], min(_ceiling(n, budget), wanted[n])) for n in engines}
+        rounds = [limit]
+        if self.params.sustained_first:
+            rounds.insert(0, {n: max(counts[n], min(limit[n], sustained[n])) for n in engines})
         expert_limit = {n: max(counts[n], _ceiling(n, budget)) for n in experts}
         counts = raise_together(experts, counts, budget, {n: min(expert_limit[n], self._follow(
             sum(counts[e] for e in engines))) for n in experts})
         pools = list(self.params.priority) + sorted({obs.signals[n].pool for n in engines} - set(self.params.priority))
-        for i, pool in enumerate(pools):
-            group = [n for n in engines if obs.signals[n].pool == pool]
-            counts = self._fill(group, wanted, counts, budget, limit, experts, expert_limit, engines)
-            if i == 0:
-                counts = raise_together(experts, counts, budget, {n: min(expert_limit[n], own[n]) for n in experts})
+        for r, round_limit in enumerate(rounds):
+            for i, pool in enumerate(pools):
+                group = [n for n in engines if obs.signals[n].pool == pool]
+                counts = self._fill(group, wanted, counts, budget, round_limit, experts, expert_limit, engines)
+                if r == 0 and i == 0:
+                    counts = raise_together(experts, counts, budget, {n: min(expert_limit[n], own[n]) for n in experts})
         return counts
 
     def _fill(self, group: list[str], wanted: dict[str, int], counts: dict[str, int], budget: Budget,

@@ -19,6 +19,8 @@ from deployments.autoscaling.signals import Budget, DeploymentSignal, Observatio
 
 SLO = {"highspeed": Slo(1.0, 0.1), "standard": Slo(4.0, 0.4)}
 CAPS = {"highspeed": 4, "standard": 32}
+# hysteresis tests use a short cooldown and a narrow dead band so their timelines stay readable
+FAST = DeltaserveParams(down_cooldown_s=60.0, down_band=0.8)
 ENGINES = [f"{kind}-{pool}" for pool in ("highspeed", "standard") for kind in ("prefill", "decode")]
 
 
@@ -125,35 +127,57 @@ def test_budget_rejects_a_pin_outside_its_bounds():
 # --- allocation -------------------------------------------------------------------------------------------
 
 
+SHORT = dict(hs_decode=(8, 4), hs_rate=3.0, st_decode=(64, 136), st_rate=8.0)
+
+
+def short_budget_obs() -> Observation:
+    # wants: highspeed decode 12 sequences / (0.85 x 4) = 3.53 -> 4, prefill 3/s x 500 tok / (0.7 x 1000) = 2.14
+    # -> 3; standard decode 200 / 27.2 = 7.35 -> 8, prefill 8/s x 500 / 700 = 5.7 -> 6. Sustained (running
+    # sequences, the slow rate, here still the first rate): highspeed decode 8 / 3.4 -> 3, standard decode 64 /
+    # 27.2 -> 3, prefill as wanted.
+    return observe(0.0, decode("highspeed", running=8, waiting=4), prefill("highspeed", rate=3.0),
+                   decode("standard", running=64, waiting=136), prefill("standard", rate=8.0))
+
+
 def test_highspeed_is_protected_first_when_the_budget_is_short():
-    # highspeed decode: 12 sequences / (0.85 x 4) = 3.53 -> 4 replicas; prefill 3/s x 500 tok / (0.7 x 1000) = 2.14 -> 3
-    # standard decode: 200 / (0.85 x 32) = 7.35 -> 8; prefill 8/s x 500 / 700 = 5.7 -> 6. Budget 10: floors 4,
-    # highspeed takes its 3 + 2 more, standard splits the 1 left in proportion to its wants (decode 8 > prefill 6).
-    obs = observe(0.0, decode("highspeed", running=8, waiting=4), prefill("highspeed", rate=3.0),
-                  decode("standard", running=64, waiting=136), prefill("standard", rate=8.0))
-    decision = DeltaservePolicy().decide(obs, Budget(10))
+    # Budget 10: floors 4; highspeed's sustained 3 + 3 first; the 2 left to standard in proportion to its wants
+    # (decode 8, prefill 6); highspeed's backlog extra (decode's 4th replica) would come after standard's
+    # sustained 3 + 6, which the budget does not reach.
+    decision = DeltaservePolicy().decide(short_budget_obs(), Budget(10))
     assert decision.wanted == {"decode-highspeed": 4, "prefill-highspeed": 3, "decode-standard": 8,
                                "prefill-standard": 6}
-    assert decision.targets == {"decode-highspeed": 4, "prefill-highspeed": 3, "decode-standard": 2,
-                                "prefill-standard": 1}
+    assert decision.targets == {"decode-highspeed": 3, "prefill-highspeed": 3, "decode-standard": 2,
+                                "prefill-standard": 2}
     assert decision.reasons["decode-standard"] == (
         "decode-standard: 1 -> 2: waiting 136 + running 64 = 200 vs 0.85 x batch cap 32; cut from 8 by the budget 10")
-    assert decision.reasons["prefill-standard"].endswith("; cut from 6 by the budget 10")
+    assert decision.reasons["decode-highspeed"].endswith("; cut from 4 by the budget 10")
+    # at 8 standard keeps its floors; with room for everyone's sustained need, highspeed's extra comes first
+    assert DeltaservePolicy().decide(short_budget_obs(), Budget(8)).targets == {
+        "decode-highspeed": 3, "prefill-highspeed": 3, "decode-standard": 1, "prefill-standard": 1}
+    assert DeltaservePolicy().decide(short_budget_obs(), Budget(17)).targets == {
+        "decode-highspeed": 4, "prefill-highspeed": 3, "decode-standard": 4, "prefill-standard": 6}
+
+
+def test_without_sustained_first_highspeed_takes_all_it_wants_first():
+    decision = DeltaservePolicy(DeltaserveParams(sustained_first=False)).decide(short_budget_obs(), Budget(10))
+    assert decision.targets == {"decode-highspeed": 4, "prefill-highspeed": 3, "decode-standard": 2,
+                                "prefill-standard": 1}
 
 
 def test_priority_order_is_a_parameter():
     obs = observe(0.0, decode("highspeed", running=8, waiting=4), decode("standard", running=64, waiting=136))
-    decision = DeltaservePolicy(DeltaserveParams(priority=("standard", "highspeed"))).decide(obs, Budget(8))
-    assert decision.targets == {"decode-highspeed": 1, "prefill-highspeed": 1, "decode-standard": 5,
-                                "prefill-standard": 1}
+    params = DeltaserveParams(priority=("standard", "highspeed"), sustained_first=False)
+    assert DeltaservePolicy(params).decide(obs, Budget(8)).targets == {
+        "decode-highspeed": 1, "prefill-highspeed": 1, "decode-standard": 5, "prefill-standard": 1}
 
 
 def test_a_cpu_budget_counts_each_replica_at_its_cost():
-    # decode replicas cost 4 CPUs, prefill 2: 24 CPUs hold the 4 floors (12) plus 3 decode replicas more
+    # decode replicas cost 4 CPUs, prefill 2: 24 CPUs hold the 4 floors (12), highspeed decode's sustained 3
+    # (+8) and one of standard decode's sustained 3 (+4)
     cost = {"decode-highspeed": 4.0, "decode-standard": 4.0, "prefill-highspeed": 2.0, "prefill-standard": 2.0}
     obs = observe(0.0, decode("highspeed", running=8, waiting=4), decode("standard", running=64, waiting=136))
     decision = DeltaservePolicy().decide(obs, Budget(24, cost=cost))
-    assert decision.targets == {"decode-highspeed": 4, "prefill-highspeed": 1, "decode-standard": 1,
+    assert decision.targets == {"decode-highspeed": 3, "prefill-highspeed": 1, "decode-standard": 2,
                                 "prefill-standard": 1}
     assert Budget(24, cost=cost).spent(decision.targets) == 24.0
 
@@ -181,20 +205,22 @@ def test_expert_shards_follow_the_replicas_that_call_them():
 
 
 def test_expert_shards_grow_with_the_replicas_the_budget_gives_their_callers():
-    # wants: highspeed 4 + 1, standard 8 + 6 (19 callers -> 5 per shard). Budget 14: floors 6; highspeed's 3 more
-    # decode replicas (8 callers: still 2 per shard -> +2), then standard's: the 9th caller needs a 3rd replica
-    # on both shards, so 2 + 2 + 1 + 1 + 2 x 3 = 14 is the most the budget holds.
+    # wants: highspeed decode 4 (sustained 3) + prefill 1, standard decode 8 (sustained 3) + prefill 6: 19 callers,
+    # 5 per shard. Budget 14: floors 6; highspeed decode's 2nd replica (5 callers) takes a 2nd replica on both
+    # shards (+3), its 3rd +1; standard decode 2, prefill 2 (8 callers, +1 each); the 9th caller needs a 3rd
+    # replica on both shards (+3) and 2 units are left: they stay unspent.
     obs = observe(0.0, decode("highspeed", running=8, waiting=4), prefill("highspeed", rate=1.0),
                   decode("standard", running=64, waiting=136), prefill("standard", rate=8.0), expert(0), expert(1))
     decision = DeltaservePolicy().decide(obs, Budget(14))
     assert decision.wanted["expert-pool-0"] == 5  # ceil(19 / 4)
-    assert decision.targets == {"decode-highspeed": 4, "prefill-highspeed": 1, "decode-standard": 2,
-                                "prefill-standard": 1, "expert-pool-0": 2, "expert-pool-1": 2}
+    assert decision.targets == {"decode-highspeed": 3, "prefill-highspeed": 1, "decode-standard": 2,
+                                "prefill-standard": 2, "expert-pool-0": 2, "expert-pool-1": 2}
     assert decision.reasons["expert-pool-0"] == (
         "expert-pool-0: 1 -> 2: follows the 8 prefill + decode replicas given / 4 per replica")
+    # 17: the 9th caller and both shards' 3rd replicas (+3), then standard prefill's 3rd and 4th (12 callers)
     more = DeltaservePolicy().decide(obs, Budget(17))
-    assert more.targets == {"decode-highspeed": 4, "prefill-highspeed": 1, "decode-standard": 3,
-                            "prefill-standard": 3, "expert-pool-0": 3, "expert-pool-1": 3}
+    assert more.targets == {"decode-highspeed": 3, "prefill-highspeed": 1, "decode-standard": 3,
+                            "prefill-standard": 4, "expert-pool-0": 3, "expert-pool-1": 3}
 
 
 def test_apportion_is_proportional_and_deterministic():
@@ -242,7 +268,7 @@ def test_a_latency_breach_steps_up_now_and_again_only_after_its_cooldown():
 
 
 def test_a_drop_scales_down_only_after_the_cooldown():
-    policy, budget = DeltaservePolicy(), Budget(12)
+    policy, budget = DeltaservePolicy(FAST), Budget(12)
     busy = lambda t: observe(t, decode("highspeed", replicas=4, running=12, waiting=1))  # 13 / 3.4 -> 4
     idle = lambda t: observe(t, decode("highspeed", replicas=4, running=2))               # 2 / 3.4 / 0.8 -> 1
     assert policy.decide(busy(0.0), budget).targets["decode-highspeed"] == 4
@@ -260,7 +286,7 @@ def test_a_drop_scales_down_only_after_the_cooldown():
 
 
 def test_a_short_dip_does_not_scale_down():
-    policy, budget = DeltaservePolicy(), Budget(12)
+    policy, budget = DeltaservePolicy(FAST), Budget(12)
     busy = lambda t: observe(t, decode("highspeed", replicas=4, running=12, waiting=1))
     idle = lambda t: observe(t, decode("highspeed", replicas=4, running=2))
     policy.decide(busy(0.0), budget)
@@ -270,7 +296,7 @@ def test_a_short_dip_does_not_scale_down():
 
 
 def test_scale_down_goes_to_the_largest_count_the_low_period_needed():
-    policy, budget = DeltaservePolicy(), Budget(12)
+    policy, budget = DeltaservePolicy(FAST), Budget(12)
     policy.decide(observe(0.0, decode("highspeed", replicas=5, running=17)), budget)  # 17 / 3.4 = 5
     for t, running in ((70.0, 2), (90.0, 6), (131.0, 2)):  # 6 / 3.4 / 0.8 -> 3; 2 -> 1
         last = policy.decide(observe(t, decode("highspeed", replicas=5, running=running)), budget)

@@ -330,7 +330,7 @@ def main() -> int:
         killer.join()
         sampler.join()
         wall = time.monotonic() - t0
-        time.sleep(2)
+        time.sleep(10)  # the last streams and their failovers drain
         rss_end = {a["name"]: (a["class"], _rss_kib(a["pid"])) for a in _replica_actors()}
         lru_end = _lru_kib(platform)
         for m in counts.mismatches:  # what the platform logged about each stream that differs

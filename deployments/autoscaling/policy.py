@@ -6,9 +6,11 @@ gives the rules, parameters and defaults.
 
 A tick of DeltaservePolicy::
 
-    signal ──► need (float replicas, with the rule that set it) ──► hysteresis (up now, down after
-    a cooldown below a dead band) ──► wanted count ──► allocate(budget: floors, then pools by priority,
-    each engine replica with the expert-shard replicas it needs, ceilings, pins) ──► Decision(targets, reasons)
+    signal ──► need (float replicas, with the rule that set it, and its sustained part) ──► hysteresis
+    (up now, down after a cooldown below a dead band) ──► wanted and sustained counts ──► allocate (floors;
+    every pool's sustained need in priority order, highspeed first; then the backlog and breach extras in
+    the same order; each engine replica with the expert-shard replicas it needs; ceilings, pins)
+    ──► Decision(targets, reasons)
 """
 
 from __future__ import annotations

@@ -164,6 +164,23 @@ def test_without_sustained_first_highspeed_takes_all_it_wants_first():
                                 "prefill-standard": 1}
 
 
+def test_a_highspeed_burst_waits_behind_standards_sustained_load():
+    # highspeed prefill at 1/s for 100 s, then a burst of 20/s: its want jumps to 10000 / 700 = 14.3 -> 15, but
+    # the slow rate after one 2 s tick is 1 + (1 - e^(-2/120)) x 19 = 1.31/s (0.94 replicas): its sustained need
+    # stays 1. Standard decode's 64 running sequences need 3 sustained. Budget 8: floors 4, standard's +2,
+    # then the burst's extras get the 2 left.
+    def tick(policy, t, rate):
+        return policy.decide(observe(t, prefill("highspeed", rate=rate), decode("standard", running=64)), Budget(8))
+    for params, expected in ((DeltaserveParams(), {"prefill-highspeed": 3, "decode-standard": 3}),
+                             (DeltaserveParams(sustained_first=False), {"prefill-highspeed": 5, "decode-standard": 1})):
+        policy = DeltaservePolicy(params)
+        for t in range(0, 101, 2):
+            assert tick(policy, float(t), 1.0).targets["prefill-highspeed"] == 1
+        burst = tick(policy, 102.0, 20.0)
+        assert burst.wanted["prefill-highspeed"] == 15
+        assert {n: burst.targets[n] for n in expected} == expected
+
+
 def test_priority_order_is_a_parameter():
     obs = observe(0.0, decode("highspeed", running=8, waiting=4), decode("standard", running=64, waiting=136))
     params = DeltaserveParams(priority=("standard", "highspeed"), sustained_first=False)

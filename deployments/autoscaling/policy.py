@@ -403,6 +403,9 @@ class DeltaservePolicy:
 
     def _fill(self, group: list[str], wanted: dict[str, int], counts: dict[str, int], budget: Budget,
               limit: dict[str, int], experts: list[str], expert_limit: dict[str, int], engines: list[str]) -> dict[str, int]:
+        """One pool's round: a replica at a time to the deployment of ``group`` with the smallest count / want
+        (ties: the earlier in ``group``), up to ``limit``, each with the expert-shard replicas it makes
+        necessary; a deployment whose next replica does not fit is skipped for the rest of the round."""
         out, blocked = dict(counts), set()
         left = budget.total - budget.spent(out)
         while True:

@@ -19,21 +19,11 @@ import time
 
 from deployments.config import MetricsConfig, PlatformConfig
 from deployments.gateway.grpc_proxy import GRPC_HOST_ENV, PROXY_CALLBACK
+from deployments.observability.prometheus import port_is_free
 from deployments.observability.tracing import otlp_export
 from deployments.workers.replica import redis_url
 
 GRPC_SERVICER = "deployments.gateway.grpc_proxy.add_inference_servicer"
-
-
-def _port_is_free(port: int) -> bool:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def parse_replicas(items: list[str]) -> dict[str, int]:
@@ -219,7 +209,7 @@ def _free_port(port: int, what: str) -> int:
     (said on stdout), so that a second platform on the machine still starts; 0: a free one."""
     from cache_service.redis_server import find_free_port
 
-    if port and _port_is_free(port) and _claim_port(port):
+    if port and port_is_free(port) and _claim_port(port):
         return port
     free = find_free_port()
     if port:
@@ -234,7 +224,7 @@ def _start_redis(config: PlatformConfig):
     if not config.cache.enabled or redis_url(config):
         return None
     maxmemory = config.cache.local_redis_maxmemory_mib << 20
-    redis = LocalRedisServer(6379 if _port_is_free(6379) else find_free_port(), maxmemory_bytes=maxmemory).start()
+    redis = LocalRedisServer(6379 if port_is_free(6379) else find_free_port(), maxmemory_bytes=maxmemory).start()
     print(f"deltaserve: no DELTASERVE_REDIS_URL given: started a local redis-server at {redis.url} "
           f"(maxmemory {config.cache.local_redis_maxmemory_mib} MiB, allkeys-lru, no persistence)", flush=True)
     return redis

@@ -17,11 +17,9 @@ written to ``dashboard_queries.txt`` in the test's tmp dir and attached to the r
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,6 +29,7 @@ import httpx
 import yaml
 
 from tests.deployments.up_process import deltaserve_up
+from tests.ops.test_dashboards import load_builder
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = {"standard": "k3-tiny", "highspeed": "k3-tiny-highspeed"}
@@ -39,16 +38,6 @@ USAGE_EXPORT_S = 1.0
 # What Grafana puts for its interval variables (the datasource's timeInterval is the scrape interval).
 INTERVALS = {"__rate_interval": "1m", "__interval": "15s", "__range": "10m"}
 SHARED_PROMPT = "The platform serves two tiers of a hybrid linear-attention model; " * 12
-
-
-def load_builder():
-    name = "deltaserve_grafana_dashboards"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "ops" / "grafana" / "dashboards.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 # Panels whose series the load fixes exactly: (dashboard, panel, ref) -> {labels: value or None (any)}.

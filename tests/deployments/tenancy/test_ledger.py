@@ -45,21 +45,6 @@ class Rec:  # the fields of a RequestRecord the ledger reads
         return self.code < 400
 
 
-@pytest.fixture(scope="module")
-def server():
-    s = LocalRedisServer().start()
-    yield s
-    s.stop()
-
-
-@pytest.fixture
-def url(server):
-    client = redis.Redis.from_url(server.url)
-    client.flushall()
-    client.close()
-    return server.url
-
-
 def ledger(url: str | None, clock: Clock) -> UsageLedger:
     store = RedisStore(url, timeout_s=1.0, breaker=CircuitBreaker(1, 30.0)) if url else None
     return UsageLedger(store, clock=clock)

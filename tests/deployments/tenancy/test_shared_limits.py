@@ -31,21 +31,6 @@ def tenant(name: str = "acme", rpm: int = 60, tpm: int = 100_000) -> Tenant:
     return Tenant(name, ("standard",), rpm, tpm, 8192, "s" * 32)
 
 
-@pytest.fixture(scope="module")
-def server():
-    s = LocalRedisServer().start()
-    yield s
-    s.stop()
-
-
-@pytest.fixture
-def url(server):
-    client = redis.Redis.from_url(server.url)
-    client.flushall()
-    client.close()
-    return server.url
-
-
 def replicas(url: str, clock=None, n: int = 2) -> list[SharedRateLimiter]:
     return [SharedRateLimiter(RedisStore(url, breaker=CircuitBreaker(1, 30.0)), n, clock) for _ in range(n)]
 

@@ -73,7 +73,7 @@ class FakeFrontend:
         self._check(api_key)
         return [ModelCard("tiny-k3", "standard"), ModelCard("tiny-k3-highspeed", "highspeed")]
 
-    async def complete(self, api_key: str | None, inp: CompletionInput, request_id: str | None = None):
+    async def complete(self, api_key: str | None, inp: CompletionInput, request_id: str | None = None, *, trace_parent=None):
         self._check(api_key, inp.model)
         if inp.max_tokens is not None and inp.max_tokens < 1:
             raise BadRequest("max_tokens must be at least 1", param="max_tokens")

@@ -159,7 +159,7 @@ def test_a_taken_default_port_is_replaced_by_a_free_one(capsys):
         taken.listen()
         busy = taken.getsockname()[1]
         free = up._free_port(busy, "Prometheus")
-        assert free != busy and up._port_is_free(free)
+        assert free != busy and up.port_is_free(free)
         assert capsys.readouterr().out == f"deltaserve: port {busy} (Prometheus) is in use: using {free}\n"
     assert up._free_port(free, "Prometheus") == free and capsys.readouterr().out == ""
 

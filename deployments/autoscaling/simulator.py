@@ -377,6 +377,7 @@ class Simulator:
             n = min(req.prefill_left, budget)
             chunks.append((req, n))
             budget -= n
+        rep.hold_from = None
         if not chunks:
             rep.step = None
             return
@@ -401,13 +402,14 @@ class Simulator:
                     self._resolve(req)
                 else:
                     self._push(self.now + self.profile.handoff_s(req.prompt), "handoff", req)
-        rep.step = None
         if rep.state == "draining":
+            rep.step = None
             if not rep.held:
                 self._exit(rep)
                 return
         else:
-            self._pull(dep)
+            self._pull(dep)  # while rep.step is set: what it takes waits for the next step, not for a burst hold
+            rep.step = None
         self._prefill_step(rep)
 
     # --- decode -------------------------------------------------------------------------------------------

@@ -165,6 +165,18 @@ def test_prefill_batches_under_the_token_budget_and_decode_batches_by_hand():
     assert result.duration_s == pytest.approx(0.31 + 5 * 0.012 + 5 * 0.011, abs=1e-12)
 
 
+def test_burst_hold_only_on_an_idle_replica():
+    """Gather window 50 ms, gap 10 ms. A (t=0) is held until 0.01 s, prefilled 0.01..0.21; B arrives during that step
+    and is prefilled from 0.21 without a hold (0.2 s): TTFT 0.36. C arrives at 1 s to an idle replica: held 10 ms
+    again, TTFT 0.21."""
+    config = one_pool(max_num_batched_tokens=200, prefill_gather_wait_ms=50, prefill_gather_gap_ms=10)
+    result = simulate(reqs((0.0, 100, 1), (0.05, 100, 1), (1.0, 100, 1)), Fixed({n: 1 for n in NAMES}), config=config)
+    ttft = result.pools["standard"].ttft_s
+    assert ttft["p50"] == pytest.approx(0.21, abs=1e-12)
+    assert ttft["p99"] == pytest.approx(0.21 + 0.98 * (0.36 - 0.21), abs=1e-12)  # numpy's linear p99 of 3 values
+    assert result.duration_s == pytest.approx(1.21, abs=1e-12)
+
+
 def test_a_stream_joining_mid_segment_waits_for_the_step_boundary():
     """A (21 tokens) has its first token at 0.2 s and decodes alone in 0.011 s steps; B's prefill step ends at 0.4,
     inside A's 19th step, so B joins at that step's end, 0.2 + 19 * 0.011 = 0.409. A's last token comes in one

@@ -123,6 +123,19 @@ class MetricsConfig(_Strict):
                                   "deltaserve_tenant_* gauges")
 
 
+class AutoscaleConfig(_Strict):
+    """The autoscaler (docs/autoscaling.md): one replica budget split between the pools' prefill and
+    decode deployments (and the expert-pool shards) from their measured SLOs and queues."""
+
+    enabled: bool = Field(False, description="run the policy as Serve's application-level autoscaling_policy "
+                          "(`deltaserve up --autoscale`); off: replica counts stay as configured")
+    budget: float | None = Field(None, gt=0, description="replicas all engine deployments may use together "
+                                 "(`--budget N`); None: the sum of the configured replica counts")
+    interval_s: float = Field(5.0, gt=0, description="seconds between two policy ticks")
+    floors: dict[str, int] = Field(default_factory=dict, description="deployment -> fewest replicas (default 1)")
+    ceilings: dict[str, int] = Field(default_factory=dict, description="deployment -> most replicas (default: none)")
+
+
 def _default_pools() -> dict[str, PoolConfig]:
     return {
         # standard: tokens in chunks of up to 100 ms (a quarter of its TPOT target) cut the per-chunk cost of the
@@ -169,6 +182,8 @@ class PlatformConfig(_Strict):
     cache: CacheConfig = Field(default_factory=CacheConfig, description="prefix / KDA-state cache")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Prometheus metrics and the local "
                                    "Prometheus")
+    autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig, description="the autoscaler (off by "
+                                       "default)")
     failover_attempts: int = Field(3, ge=0, description="times a stream whose decode replica died is resumed on another")
     ingress_max_ongoing_requests: int = Field(1024, gt=0, description="requests (open streams included) one ingress "
                                               "replica serves at once; Serve's proxy queues the rest")

@@ -72,7 +72,7 @@ CATALOG: dict[str, Spec] = {s.name: s for s in (
     Spec("deltaserve_cost_usd_total", "counter", "spend of served requests, USD, from the pool's price table",
          REQUEST),
     Spec("deltaserve_rate_limited_total", "counter", "requests rejected by the tenant's limits "
-         "(limit: requests|tokens|concurrency)", ("pool", "tenant", "limit")),
+         "(limit: requests|tokens)", ("pool", "tenant", "limit")),
     Spec("deltaserve_tenant_cost_usd", "gauge", "the tenant's spend in the usage ledger (Redis), USD",
          ("tenant", "pool")),
     Spec("deltaserve_tenant_tokens", "gauge", "the tenant's tokens in the usage ledger (kind: input|cached|output)",

@@ -357,7 +357,7 @@ def tenants() -> gdb.Dashboard:
                Target(rate("ray_deltaserve_cached_prompt_tokens_total", REQUEST, "tenant"), "{{tenant}} cached"),
                Target(rate("ray_deltaserve_generation_tokens_total", REQUEST, "tenant"), "{{tenant}} generated")],
               "short"),
-        graph("Rate-limit rejections/s", "requests refused by the tenant's limits (requests, tokens, concurrency)",
+        graph("Rate-limit rejections/s", "requests refused by the tenant's limits (limit: requests per minute, tokens per minute)",
               [Target(rate("ray_deltaserve_rate_limited_total", REQUEST, "tenant, pool, limit"),
                       "{{tenant}} {{pool}} {{limit}}")], "reqps"),
         single("Spend in range", "USD of served requests over the dashboard's time range, per tenant",

@@ -1,6 +1,6 @@
-"""Every dashboard panel's PromQL returns data against the Prometheus `deltaserve up` embeds.
+"""The Prometheus `deltaserve up` embeds, and every dashboard panel's PromQL against it.
 
-One `deltaserve up` (expert pool on, the cache on, both pools, two tenants: ``alpha`` with both
+One `deltaserve up` for the module (expert pool on, the cache on, both pools, two tenants: ``alpha`` with both
 pools, ``beta`` with the standard pool and 2 requests a minute), a short load run in two rounds
 with a scrape between them (so every counter and histogram has grown since Prometheus first saw
 it: rates and quantiles are numbers, not NaN): per pool non-streamed completions sharing a prompt
@@ -13,6 +13,10 @@ the tenants, cluster ``local``), each panel query is run with them substituted a
 series with a finite value. The table of panels and their results is printed (also without ``-s``),
 written to ``dashboard_queries.txt`` in the test's tmp dir and attached to the report
 (``record_property``).
+
+Before the load, the same platform shows the embedded Prometheus works as `deltaserve up` documents it
+(ready line, Ray's discovery, rule groups, Serve's replica series, a user's own Prometheus beside it);
+after Ctrl-C none is left running.
 """
 
 from __future__ import annotations
@@ -20,16 +24,26 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
+import socket
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import pytest
 import yaml
 
-from tests.deployments.up_process import deltaserve_up
+from deployments.config import PlatformConfig
+from deployments.observability.prometheus import CONFIG_FILE, RULES_DIR
+from tests.deployments.up_process import UpProcess, deltaserve_up
 from tests.ops.test_dashboards import load_builder
+from tests.ops.test_embedded_prometheus import prom_api, prometheus_pids, wait_until
+
+pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None, reason="Debian's prometheus is not installed "
+                                "(apt-get install prometheus; `make serve` does as root)")
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = {"standard": "k3-tiny", "highspeed": "k3-tiny-highspeed"}
@@ -210,35 +224,146 @@ def wait_for(prom: str, expr: str, timeout_s: float = 60) -> None:
         time.sleep(SCRAPE_S)
 
 
-def test_every_panel_query_returns_data(tmp_path, capsys, record_property):
-    dashboards = load_builder()
-    keys = write_tenants(tmp_path / "tenants.yaml")
-    config = tmp_path / "platform.yaml"
+@dataclass
+class ObservedPlatform:
+    up: UpProcess
+    keys: dict[str, str]  # tenant -> API key
+
+
+@pytest.fixture(scope="module")
+def platform(tmp_path_factory) -> ObservedPlatform:
+    """One `deltaserve up` with its embedded Prometheus for this module; after Ctrl-C no prometheus is left
+    and its port is closed."""
+    tmp = tmp_path_factory.mktemp("observed-platform")
+    keys = write_tenants(tmp / "tenants.yaml")
+    config = tmp / "platform.yaml"
     config.write_text(yaml.safe_dump({"metrics": {"scrape_interval_s": SCRAPE_S, "usage_export_s": USAGE_EXPORT_S}}))
-    args = ["--config", str(config), "--tenants", str(tmp_path / "tenants.yaml"), "--expert-mode", "pool"]
+    args = ["--config", str(config), "--tenants", str(tmp / "tenants.yaml"), "--expert-mode", "pool"]
     with deltaserve_up(args, prometheus=True) as up:
-        prom, load = up.prometheus_url, Load(f"http://127.0.0.1:{up.http_port}/v1", keys)
-        load.round(1)
-        wait_for(prom, 'ray_deltaserve_requests_total{pool="highspeed", code="200"}')
-        time.sleep(3 * SCRAPE_S)  # every series of round 1 scraped at least once
-        load.round(2)
-        wait_for(prom, 'ray_deltaserve_tenant_tasks{tenant="alpha", outcome="succeeded"} >= 4')
-        time.sleep(3 * SCRAPE_S)
+        prometheus = up.prometheus_pids()
+        yield ObservedPlatform(up, keys)
+    assert prometheus_pids(prometheus) == [], "prometheus still running after Ctrl-C"
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{up.prometheus_port}/-/ready", timeout=2)
 
-        codes = sorted(set(load.codes))
-        assert codes == sorted({("standard completion", 200), ("highspeed completion", 200),
-                                ("standard chat stream", 200), ("highspeed chat stream", 200),
-                                ("context exceeded", 400), ("beta on highspeed", 403), ("beta standard", 200),
-                                ("beta standard", 429), ("task success", 200), ("task failure", 200)}), codes
 
-        results: list[Result] = []
-        for name in dashboards.DASHBOARDS:
-            board = json.loads(dashboards.render(name))
-            values = variable_values(prom, board, {"datasource": dashboards.PROMETHEUS_UID})
-            assert values["pool"] == "(highspeed|standard)" and values["cluster"] == "(local)", values
-            if "tenant" in values:
-                assert values["tenant"] == "(alpha|beta)", values
-            results += run_panels(prom, name, board, values)
+def test_deltaserve_up_embeds_prometheus_scraping_ray(platform, tmp_path):
+    """Its URL on the ready line; Ray's discovery file and the committed config; Ray's targets up; every rule
+    group evaluated without an error; Serve's own replica series; a user's own Prometheus with the committed
+    config beside it. That nothing is left after Ctrl-C the fixture checks when it stops the platform."""
+    config = PlatformConfig(expert_mode="pool")
+    expected_groups = sorted(g["name"] for f in sorted(RULES_DIR.glob("*.yml"))
+                             for g in yaml.safe_load(f.read_text())["groups"])
+    up = platform.up
+    url = up.prometheus_url
+    ready = next(ln for ln in up.output if ln.startswith("deltaserve: ready"))
+    assert f"Prometheus: {url}" in ready, ready
+    prometheus = up.prometheus_pids()
+    assert len(prometheus) == 1, f"prometheus processes under deltaserve up: {prometheus}"
+
+    # Prometheus reads Ray's own discovery file in this Ray session, and the rendered config is the
+    # committed one with only the session's file, the rules path and the scrape interval changed
+    discovery = up.ray_session_dir() / "prom_metrics_service_discovery.json"
+    rendered = yaml.safe_load((up.ray_session_dir() / "prometheus" / "prometheus.yml").read_text())
+    assert rendered["scrape_configs"][0]["file_sd_configs"] == [{"files": [str(discovery)]}]
+    assert rendered["rule_files"] == [str(RULES_DIR.resolve() / "*.yml")]
+    committed = yaml.safe_load(CONFIG_FILE.read_text())
+    for cfg in (committed, rendered):
+        del cfg["scrape_configs"][0]["file_sd_configs"], cfg["rule_files"], cfg["global"]["scrape_interval"]
+    assert rendered == committed
+
+    # every address Ray lists is a target of job "ray"; the node's metrics agent is on the port we chose, up
+    listed = {t for group in json.loads(discovery.read_text()) for t in group["targets"]}
+    node_target = wait_until("Ray's metrics agent scraped", lambda: next(
+        (t for t in prom_api(url, "targets")["activeTargets"]
+         if t["labels"]["instance"].endswith(f":{up.metrics_export_port}") and t["health"] == "up"), None))
+    assert node_target["labels"]["job"] == "ray" and node_target["labels"]["cluster"] == "local"
+    targets = prom_api(url, "targets")["activeTargets"]
+    assert {t["labels"]["instance"] for t in targets} == listed
+
+    # Prometheus listens on loopback only: the node's own address (where Ray's agent listens) refuses it
+    node_ip = node_target["labels"]["instance"].rsplit(":", 1)[0]
+    if node_ip != "127.0.0.1":
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((node_ip, up.prometheus_port), timeout=2).close()
+
+    # the project's rule groups, each evaluated once against Ray's series without an error
+    def evaluated() -> list[dict] | None:
+        groups = prom_api(url, "rules")["groups"]  # a group not evaluated yet reads 0001-01-01T00:00:00Z
+        return groups if all(not g["lastEvaluation"].startswith("0001-") for g in groups) else None
+
+    groups = wait_until("every rule group evaluated", evaluated)
+    assert sorted(g["name"] for g in groups) == expected_groups
+    assert sorted(r.get("lastError", "") for g in groups for r in g["rules"] if r["health"] != "ok") == []
+
+    # Serve's own replica health, as the DeltaserveReplicasUnhealthy alert reads it: every prefill and decode
+    # deployment counts exactly its configured replicas healthy, and targets that many
+    def healthy() -> dict[str, float]:
+        rows = prom_api(url, "query", query="sum by (deployment) (ray_serve_deployment_replica_healthy)")["result"]
+        got = {r["metric"]["deployment"]: float(r["value"][1]) for r in rows}
+        return got if all(got.get(d) == n for d, n in config.replica_counts().items()) else {}
+
+    got = wait_until("every deployment's replicas healthy in ray_serve_deployment_replica_healthy", healthy)
+    assert {d: got[d] for d in config.replica_counts()} == config.replica_counts()
+    rows = prom_api(url, "query", query="max by (deployment) (ray_serve_autoscaling_target_replicas)")["result"]
+    targets_by_deployment = {r["metric"]["deployment"]: float(r["value"][1]) for r in rows}
+    assert {d: targets_by_deployment.get(d) for d in config.replica_counts()} == config.replica_counts()
+    _users_own_prometheus_takes_the_committed_config(tmp_path, expected_groups)
+
+
+def _users_own_prometheus_takes_the_committed_config(tmp_path: Path, expected_groups: list[str]) -> None:
+    """`prometheus --config.file=ops/prometheus/prometheus.yml`, unchanged, beside a running `deltaserve up`:
+    it loads the rules and scrapes a Ray metrics target found through /tmp/ray's discovery-file link (which
+    names the newest Ray session on the machine: another platform's if one started since)."""
+    from cache_service import find_free_port
+
+    port = find_free_port()
+    proc = subprocess.Popen(["prometheus", f"--config.file={CONFIG_FILE}", f"--storage.tsdb.path={tmp_path / 'own'}",
+                             f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until("the user's Prometheus ready", lambda: _ready(url), timeout_s=30)
+        assert sorted(g["name"] for g in prom_api(url, "rules")["groups"]) == expected_groups
+        wait_until("a Ray target up in the user's Prometheus", lambda: [
+            t for t in prom_api(url, "targets")["activeTargets"] if t["labels"]["job"] == "ray" and t["health"] == "up"])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/-/ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_every_panel_query_returns_data(platform, tmp_path, capsys, record_property):
+    dashboards = load_builder()
+    up = platform.up
+    prom, load = up.prometheus_url, Load(f"http://127.0.0.1:{up.http_port}/v1", platform.keys)
+    load.round(1)
+    wait_for(prom, 'ray_deltaserve_requests_total{pool="highspeed", code="200"}')
+    time.sleep(3 * SCRAPE_S)  # every series of round 1 scraped at least once
+    load.round(2)
+    wait_for(prom, 'ray_deltaserve_tenant_tasks{tenant="alpha", outcome="succeeded"} >= 4')
+    time.sleep(3 * SCRAPE_S)
+
+    codes = sorted(set(load.codes))
+    assert codes == sorted({("standard completion", 200), ("highspeed completion", 200),
+                            ("standard chat stream", 200), ("highspeed chat stream", 200),
+                            ("context exceeded", 400), ("beta on highspeed", 403), ("beta standard", 200),
+                            ("beta standard", 429), ("task success", 200), ("task failure", 200)}), codes
+
+    results: list[Result] = []
+    for name in dashboards.DASHBOARDS:
+        board = json.loads(dashboards.render(name))
+        values = variable_values(prom, board, {"datasource": dashboards.PROMETHEUS_UID})
+        assert values["pool"] == "(highspeed|standard)" and values["cluster"] == "(local)", values
+        if "tenant" in values:
+            assert values["tenant"] == "(alpha|beta)", values
+        results += run_panels(prom, name, board, values)
 
     report = table(results)
     (tmp_path / "dashboard_queries.txt").write_text(report + "\n")

@@ -19,6 +19,7 @@ unsupported, :data:`UNSUPPORTED`); a value equal to the parameter's no-op (``ech
 
 from __future__ import annotations
 
+import codecs
 import json
 import time
 import uuid
@@ -235,15 +236,31 @@ def _usage_json(u) -> dict:
     return out
 
 
-def _completion_logprobs(entries: list[TokenLogprobs], offset: int) -> dict:
-    """OpenAI's completions ``logprobs`` object; ``text_offset`` counts characters of the tokens'
-    texts from ``offset`` (the characters of this choice before them)."""
-    offsets = []
-    for e in entries:
-        offsets.append(offset)
-        offset += len(e.token)
+class TextOffsets:
+    """Where each token of one choice starts in its text, in characters (OpenAI's ``text_offset``).
+
+    A token's ``token`` string is not its share of the text: a byte-level token may hold part of a
+    UTF-8 character, which the text shows only once complete. The bytes go through the same
+    incremental UTF-8 decoding (invalid bytes -> U+FFFD) as the text, so a token's offset is the
+    characters decoded from the tokens before it: a token that completes a character starts where
+    that character does, and the offsets never run past the text."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._chars = 0
+
+    def of(self, entries: list[TokenLogprobs]) -> list[int]:
+        out = []
+        for e in entries:
+            out.append(self._chars)
+            self._chars += len(self._decoder.decode(bytes(e.bytes)))
+        return out
+
+
+def _completion_logprobs(entries: list[TokenLogprobs], offsets: TextOffsets) -> dict:
+    """OpenAI's completions ``logprobs`` object (``text_offset``: :class:`TextOffsets`, of this choice)."""
     return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{a.token: a.logprob for a in e.top} for e in entries], "text_offset": offsets}
+            "top_logprobs": [{a.token: a.logprob for a in e.top} for e in entries], "text_offset": offsets.of(entries)}
 
 
 def _chat_logprobs(entries: list[TokenLogprobs]) -> dict:
@@ -468,7 +485,7 @@ async def _whole(events: AsyncIterator, chat: bool, created: int, rid: str, pool
                             "finish_reason": fin.finish_reason, "logprobs": _chat_logprobs(lp) if logprobs else None})
         else:
             choices.append({"index": fin.index, "text": content, "finish_reason": fin.finish_reason,
-                            "logprobs": _completion_logprobs(lp, 0) if logprobs else None})
+                            "logprobs": _completion_logprobs(lp, TextOffsets()) if logprobs else None})
     last = fins[-1]
     return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                          "model": last.model, "choices": choices, "usage": _usage_json(total_usage(fins)),
@@ -485,7 +502,7 @@ async def _sse(events: AsyncIterator, chat: bool, created: int, include_usage: b
     ``continuous_usage_stats``). An error after the first byte is an ``error`` event, then ``[DONE]``."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     started = [False] * n
-    offsets = [0] * n
+    offsets = [TextOffsets() for _ in range(n)]
     n_out = 0
     fins: list[Finished] = []
     try:
@@ -499,7 +516,6 @@ async def _sse(events: AsyncIterator, chat: bool, created: int, include_usage: b
                 else:
                     choice = {"index": i, "text": ev.text, "finish_reason": None,
                               "logprobs": _completion_logprobs(list(ev.logprobs), offsets[i]) if ev.logprobs else None}
-                    offsets[i] += sum(len(e.token) for e in ev.logprobs)
                 started[i] = True
                 event = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
                 if continuous:

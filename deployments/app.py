@@ -21,6 +21,7 @@ from ray import serve
 from deployments.config import PlatformConfig
 from deployments.experts.shard import ExpertShard
 from deployments.gateway.ingress import IngressASGI
+from deployments.gateway.routing import request_router_options
 from deployments.tenancy import default_dev_tenants
 from deployments.workers.cache_admin import CacheAdmin
 from deployments.workers.decode import Decode
@@ -76,7 +77,8 @@ def build_app(args: dict | PlatformConfig | None = None) -> serve.Application:
     for pool, pc in config.pools.items():
         prefill[pool] = serve.deployment(Prefill, **_options(config, f"prefill-{pool}", counts[f"prefill-{pool}"],
                                                              max_ongoing=config.num_slots,
-                                                             max_queued=pc.max_queued_requests)).bind(
+                                                             max_queued=pc.max_queued_requests),
+                                       **request_router_options(config)).bind(
             config, pool, shards or None, object_store_handoff=True)
         decode[pool] = serve.deployment(Decode, **_options(config, f"decode-{pool}", counts[f"decode-{pool}"],
                                                            max_ongoing=pc.max_num_seqs,

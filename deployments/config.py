@@ -136,6 +136,19 @@ class AutoscaleConfig(_Strict):
     ceilings: dict[str, int] = Field(default_factory=dict, description="deployment -> most replicas (default: none)")
 
 
+class AffinityConfig(_Strict):
+    """Cache-affinity routing of the prefill deployments (deployments/gateway/routing.py): a session's
+    next turn, or a request sharing a prefix, goes to the prefill replica that holds its state in its
+    cache LRU, so it skips reading that state from Redis; Serve's default choice otherwise."""
+
+    enabled: bool = Field(True, description="route by affinity (the cache must be on: without it no replica "
+                          "holds anything); off: Serve's power of two choices only")
+    max_queue: int = Field(4, gt=0, description="the holder is chosen only while it holds fewer requests than this "
+                           "(as the ingress's router last knew); at or above it the default choice decides")
+    max_keys: int = Field(65536, gt=0, description="routing keys (sessions, prefixes) each ingress replica remembers, "
+                          "least recently used dropped first")
+
+
 def _default_pools() -> dict[str, PoolConfig]:
     return {
         # standard: tokens in chunks of up to 100 ms (a quarter of its TPOT target) cut the per-chunk cost of the
@@ -184,6 +197,8 @@ class PlatformConfig(_Strict):
                                    "Prometheus")
     autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig, description="the autoscaler (off by "
                                        "default)")
+    affinity_routing: AffinityConfig = Field(default_factory=AffinityConfig, description="cache-affinity routing "
+                                             "of the prefill deployments")
     failover_attempts: int = Field(3, ge=0, description="times a stream whose decode replica died is resumed on another")
     ingress_max_ongoing_requests: int = Field(1024, gt=0, description="requests (open streams included) one ingress "
                                               "replica serves at once; Serve's proxy queues the rest")

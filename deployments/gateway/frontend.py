@@ -36,6 +36,7 @@ from model.tokenizer import Tokenizer, encode_chat
 
 from deployments.engine.sequence import TokenLogprob
 from deployments.observability import tracing
+from deployments.gateway.affinity import routing_keys
 from deployments.gateway.protocol import (DEFAULT_REQUEST_TIMEOUT_S, HIGHSPEED_SUFFIX, SEED_MAX, SEED_MIN, CompletionInput,
                                           Finished, ModelCard, RequestLimits, TextDelta, TokenAlternative, TokenLogprobs,
                                           Usage, total_usage)
@@ -103,6 +104,7 @@ class _Plan:
     checkpoint_at: tuple[int, ...]
     deadline: float  # time.monotonic() past which the request fails with DeadlineExceeded
     timeout_s: float  # the pool's end-to-end deadline, seconds (for the message)
+    routing_keys: tuple[str, ...] = ()  # cache-affinity keys of its prefill (deployments/gateway/affinity.py)
 
 
 def _finite(value: float, param: str, lo: float, hi: float, *, open_lo: bool = False) -> None:
@@ -142,10 +144,13 @@ class Frontend:
         limits: RequestLimits | None = None,
         observers: list[RequestObserver] | None = None,
         prices: Mapping[str, Price] | None = None,
+        affinity_block_size: int | None = None,
     ) -> None:
         """``request_timeout_s``: each pool's end-to-end deadline, seconds (a pool not named:
         :data:`~deployments.gateway.protocol.DEFAULT_REQUEST_TIMEOUT_S`). ``prices``: each pool's
-        price table (``usage.cost``); a pool not named is not priced (no ``cost`` in its usage)."""
+        price table (``usage.cost``); a pool not named is not priced (no ``cost`` in its usage).
+        ``affinity_block_size``: the cache's block size, when prefill requests carry cache-affinity
+        routing keys (their prefix key covers one block); None: they carry none."""
         self.model_name = model_name
         self.pools = list(pools)
         self.tokenizer = tokenizer
@@ -161,6 +166,7 @@ class Frontend:
         self.failovers = 0  # streams resumed on another replica
         self.observers: list[RequestObserver] = list(observers or [])
         self.prices: dict[str, Price] = dict(prices or {})
+        self.affinity_block_size = affinity_block_size
 
     def _observe(self, record: RequestRecord) -> None:
         """Hand ``record`` to every observer; an observer that fails is logged, never the request's error."""
@@ -297,8 +303,11 @@ class Frontend:
         stop_ids = () if inp.ignore_eos else stop_token_ids(self.tokenizer, chat=inp.messages is not None)
         reservation = self.limiter.acquire(tenant, len(ids) + inp.n * max_tokens, pool=pool)
         timeout = self.timeout_s(pool)
+        keys = () if self.affinity_block_size is None or not inp.affinity else routing_keys(
+            tenant_salt=tenant.cache_salt, client_salt=inp.cache_salt, session_id=inp.session_id, prompt_ids=ids,
+            block_size=self.affinity_block_size)
         return _Plan(request_id, tenant, pool, tuple(ids), max_tokens, params, stop_ids, checkpoint_at,
-                     t0 + timeout, timeout), reservation
+                     t0 + timeout, timeout, keys), reservation
 
     # -- completions ---------------------------------------------------------------
     async def complete(self, api_key: str | None, inp: CompletionInput, request_id: str | None = None, *,
@@ -421,7 +430,9 @@ class Frontend:
             preq = PrefillRequest(rid if inp.n == 1 else f"{rid}-{index}", ids, plan.max_tokens, plan.params[index],
                                   inp.stop, plan.stop_ids, inp.ignore_eos, plan.tenant.name, plan.pool, carrier,
                                   cache_salt=plan.tenant.cache_salt, client_salt=inp.cache_salt, session_id=inp.session_id,
-                                  replay_ids=tuple(emitted), checkpoint_at=plan.checkpoint_at)
+                                  replay_ids=tuple(emitted), checkpoint_at=plan.checkpoint_at,
+                                  # a failover goes wherever Serve's default choice sends it, never back by affinity
+                                  routing_keys=() if failures else plan.routing_keys)
             try:
                 result = await self._hop(plan, self.backend.prefill(plan.pool, preq))
                 if record.queue_s is None and result.queue_s is not None:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import grpc
 
+from deployments.gateway.affinity import AFFINITY_HEADER, parse_affinity_header
 from deployments.gateway.errors import BadRequest, grpc_error
 from deployments.gateway.grpc_proxy import SERVICE_NAME
 from deployments.gateway.protocol import ChatMessage, CompletionInput, Finished, TextDelta, TokenLogprobs
@@ -155,6 +156,7 @@ def completion_input_from_request(request: pb.GenerateRequest, grpc_context: Any
     if request.ignore_eos:
         kwargs["ignore_eos"] = True
     try:
+        kwargs["affinity"] = parse_affinity_header(_metadata_value(grpc_context, AFFINITY_HEADER))
         return CompletionInput(**kwargs)
     except (TypeError, ValueError) as e:  # a CompletionInput that validates its fields
         raise BadRequest(str(e)) from e

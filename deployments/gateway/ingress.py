@@ -10,6 +10,7 @@ from ray.serve.handle import DeploymentHandle
 from deployments.config import PlatformConfig
 from deployments.gateway.frontend import Frontend
 from deployments.gateway.grpc_ingress import GrpcInferenceMixin
+from deployments.gateway.routing import request_router_options
 from deployments.gateway.http_ingress import IngressRoutes, app as http_app
 from deployments.gateway.serve_backend import HopTimeouts, ServeBackend
 from deployments.observability import metrics, tracing
@@ -44,6 +45,7 @@ class Ingress(IngressRoutes, GrpcInferenceMixin):
             limiter=make_rate_limiter(redis_url(config), replicas=1),  # app.py runs one ingress replica
             observers=[RequestMetrics.from_config(config), self.ledger],
             prices=prices_of(config.pools),
+            affinity_block_size=config.cache.block_size if request_router_options(config) else None,
         )
         self.prefill, self.decode = prefill, decode
         self.cache_admin = cache_admin  # bound here so it is part of the application

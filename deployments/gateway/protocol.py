@@ -64,6 +64,7 @@ class CompletionInput:
     user: str | None = None  # the end user a client names (OpenAI's ``user``): logged on the ingress span
     allow_special_tokens: bool = False  # completions: literal control-token strings in the prompt encode as control
     #                                     tokens (default: as plain text, like any user text)
+    affinity: bool = True  # x-deltaserve-affinity: off routes this request by Serve's default choice only
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ class PrefillRequest:
     session_id: str | None = None
     replay_ids: tuple[int, ...] = ()  # output tokens a failed decode replica already delivered
     checkpoint_at: tuple[int, ...] = ()  # extra cache checkpoint positions (the end of a shared system prompt)
+    routing_keys: tuple[str, ...] = ()  # salted affinity keys, session's first (deployments/gateway/affinity.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 
+from deployments.autoscaling.settings import OpsSettings
 from deployments.config import MetricsConfig, PlatformConfig
 from deployments.gateway.grpc_proxy import GRPC_HOST_ENV, PROXY_CALLBACK
 from deployments.observability.prometheus import port_is_free
@@ -36,22 +37,35 @@ def parse_replicas(items: list[str]) -> dict[str, int]:
     return out
 
 
-def serve_schema(apps: list[tuple[str, str, PlatformConfig]]):
-    """Declarative Serve config for (app name, route prefix, config) triples.
+def app_schema(name: str, prefix: str, config: PlatformConfig, settings: OpsSettings | None = None) -> dict:
+    """One application of the declarative Serve config (a ``ServeApplicationSchema`` dict).
 
     Replica counts go into per-deployment overrides, the rest into the builder's ``args``: a
     later schema that only changes counts is a lightweight update (replicas are added or
-    removed, none restarted), which is how replicas change while requests flow.
+    removed, none restarted), which is how replicas change while requests flow. With
+    ``config.autoscale.enabled`` the engine deployments get an ``autoscaling_config`` instead (their
+    counts become the initial ones) and the application the autoscaler as its ``autoscaling_policy``
+    (:func:`deployments.autoscaling.serve_policy.serve_autoscaling`), with ``settings`` (default: none).
     """
+    from deployments.autoscaling.serve_policy import serve_autoscaling
+
+    app = {"name": name, "route_prefix": prefix, "import_path": "deployments.app:build_app",
+           "args": config.without_replica_counts().model_dump(mode="json"),
+           "deployments": [{"name": deployment, "num_replicas": n} for deployment, n in config.replica_counts().items()]}
+    if config.autoscale.enabled:
+        policy, autoscaling = serve_autoscaling(config, settings)
+        app["autoscaling_policy"] = policy
+        app["deployments"] = [{"name": deployment, "autoscaling_config": cfg} for deployment, cfg in autoscaling.items()]
+    return app
+
+
+def serve_schema(apps: list[tuple[str, str, PlatformConfig]], settings: OpsSettings | None = None):
+    """Declarative Serve config (``ServeDeploySchema``) for (app name, route prefix, config) triples
+    (:func:`app_schema`)."""
     from ray.serve.schema import ServeDeploySchema
 
-    applications = []
-    for name, prefix, config in apps:
-        args = config.without_replica_counts().model_dump(mode="json")
-        overrides = [{"name": deployment, "num_replicas": n} for deployment, n in config.replica_counts().items()]
-        applications.append({"name": name, "route_prefix": prefix, "import_path": "deployments.app:build_app",
-                             "args": args, "deployments": overrides})
-    return ServeDeploySchema.parse_obj({"applications": applications})
+    return ServeDeploySchema.parse_obj({"applications": [app_schema(name, prefix, config, settings)
+                                                         for name, prefix, config in apps]})
 
 
 def deploy(apps: list[tuple[str, str, PlatformConfig]], *, timeout_s: float = 900) -> None:
@@ -167,6 +181,7 @@ def _load_config(args: argparse.Namespace) -> tuple[PlatformConfig, str | None]:
                                  "serve_throughput_optimized": False if args.serve_actor_calls else None}.items()
                if v is not None}
     config = PlatformConfig.load({**config.model_dump(), **updates}).with_replicas(parse_replicas(args.replicas or []))
+    config = with_autoscale(config, args.autoscale, args.budget)
     cache_updates = {k: v for k, v in {"redis_url": args.redis_url, "enabled": False if args.no_cache else None}.items()
                      if v is not None}
     metrics_updates = {k: v for k, v in {"export_port": args.metrics_export_port, "prometheus_port": args.prometheus_port,
@@ -181,6 +196,23 @@ def _load_config(args: argparse.Namespace) -> tuple[PlatformConfig, str | None]:
         load_cache_key(default_key_path(config.tenants_file))
     otlp_export()  # OTEL_* variables that ask for an export the replicas lack fail here, not in every replica
     return config, new_key
+
+
+def with_autoscale(config: PlatformConfig, autoscale: bool, budget: float | None) -> PlatformConfig:
+    """``config`` with `--autoscale` (the autoscaler on) and `--budget N` (its replica budget; only
+    with `--autoscale`, or a config that turns it on). ValueError for a budget that cannot hold the
+    floors (it names them)."""
+    from deployments.autoscaling.serve_policy import AutoscalerSpec
+
+    if not (autoscale or budget is not None):
+        return config
+    enabled = autoscale or config.autoscale.enabled
+    if not enabled:
+        raise ValueError("--budget sizes the autoscaler: add --autoscale (or autoscale.enabled: true in the config)")
+    update = {"enabled": True} | ({"budget": budget} if budget is not None else {})
+    config = PlatformConfig.load({**config.model_dump(), "autoscale": {**config.autoscale.model_dump(), **update}})
+    AutoscalerSpec.from_platform(config)  # a budget below the floors fails here, not in Serve's controller
+    return config
 
 
 _port_claims: list = []  # open lock files: this process's claims on its ports, held until it exits
@@ -324,6 +356,12 @@ def add_up_parser(sub) -> None:
     p.add_argument("--no-cache", action="store_true", help="run without the prefix/KDA-state cache")
     p.add_argument("--replicas", action="append", metavar="DEPLOYMENT=N",
                    help="e.g. decode-standard=2, or expert-pool-0=2 with --expert-mode pool (repeatable)")
+    p.add_argument("--autoscale", action="store_true",
+                   help="run the autoscaler (Serve's application-level autoscaling policy, docs/autoscaling.md): "
+                        "replica counts become initial counts")
+    p.add_argument("--budget", type=float, default=None, metavar="N",
+                   help="with --autoscale: replicas all prefill, decode and expert-pool deployments may use together "
+                        "(default: the sum of the configured counts)")
     p.add_argument("--metrics-export-port", type=int, default=None,
                    help="Ray's metrics export port, which Prometheus scrapes (default 8085; a free one if taken)")
     p.add_argument("--prometheus-port", type=int, default=None,

@@ -1,0 +1,79 @@
+"""The running application's Serve config, changed and applied again (a Ray driver connected to the
+cluster), and the autoscaler's published status.
+
+Serve keeps the declarative config it last applied; re-applying it with only per-deployment replica
+counts changed is a lightweight update (Serve adds or removes replicas of those deployments, nothing
+restarts). The autoscaler's ``settings`` are part of the application's ``autoscaling_policy``, which
+Serve hashes into the application's code version: re-applying new settings rebuilds the application
+and replaces its replicas (docs/autoscaling.md, "Serve integration").
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+from deployments.autoscaling.settings import STATUS_KV_KEY, STATUS_KV_NAMESPACE, OpsSettings
+
+APP_NAME = "deltaserve"
+
+
+def running_app_config(app: str = APP_NAME) -> dict:
+    """The config Serve last applied to ``app`` (a ``ServeApplicationSchema`` dict). KeyError names
+    the applications that exist."""
+    from ray.serve._private.api import _get_global_client
+
+    details = _get_global_client().get_serve_details()
+    apps = details.get("applications", {})
+    if app not in apps or not apps[app].get("deployed_app_config"):
+        raise KeyError(f"no declaratively deployed application {app!r}; running: {sorted(apps)}")
+    return copy.deepcopy(apps[app]["deployed_app_config"])
+
+
+def apply_app_config(config: dict) -> None:
+    """Apply ``config`` (one application) again; the other applications stay as they are."""
+    from ray.serve._private.api import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    client = _get_global_client()
+    others = [a["deployed_app_config"] for name, a in client.get_serve_details().get("applications", {}).items()
+              if name != config["name"] and a.get("deployed_app_config")]
+    client.deploy_apps(ServeDeploySchema.parse_obj({"applications": others + [config]}))
+
+
+def with_replicas(config: dict, counts: dict[str, int]) -> dict:
+    """``config`` with new fixed replica counts for the named deployments (overrides they lack are added).
+    ValueError for a deployment the autoscaler sizes (it has an ``autoscaling_config``) or a count < 1."""
+    out = copy.deepcopy(config)
+    overrides = {d["name"]: d for d in out.setdefault("deployments", [])}
+    for name, n in counts.items():
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"replica count for {name} must be an integer >= 1, got {n!r}")
+        d = overrides.get(name)
+        if d is None:
+            d = overrides[name] = {"name": name}
+            out["deployments"].append(d)
+        if d.get("autoscaling_config"):
+            raise ValueError(f"{name} is sized by the autoscaler: pin it (settings.pins) instead of setting a count")
+        d["num_replicas"] = n
+    return out
+
+
+def with_settings(config: dict, settings: OpsSettings) -> dict:
+    """``config`` with the autoscaler's ``settings``. ValueError when the application has no autoscaler."""
+    out = copy.deepcopy(config)
+    policy = out.get("autoscaling_policy") or {}
+    if "settings" not in policy.get("policy_kwargs", {}):
+        raise ValueError(f"application {config.get('name')!r} runs no deltaserve autoscaler (deltaserve up --autoscale)")
+    names = [d["name"] for d in policy["policy_kwargs"]["spec"]["deployments"]]
+    settings.check_deployments(names)
+    policy["policy_kwargs"]["settings"] = settings.to_json()
+    return out
+
+
+def read_status() -> dict | None:
+    """The autoscaler's last published decision (settings.STATUS_KV_KEY), None before its first tick."""
+    from ray.experimental import internal_kv
+
+    raw = internal_kv._internal_kv_get(STATUS_KV_KEY, namespace=STATUS_KV_NAMESPACE)
+    return None if raw is None else json.loads(raw)

@@ -1,0 +1,245 @@
+"""The Serve edge of the autoscaler without Ray: a replica's report from a real engine's counters,
+one deployment's signal from its replicas' reports, the Serve config pieces, and the policy object
+Serve calls (contexts in, targets and the published status out)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import pytest
+
+from deployments.autoscaling.replica_signals import KEYS, NO_SAMPLE, ReplicaSignals, deployment_signal, p95
+from deployments.autoscaling.serve_policy import AutoscalerSpec, ServeAutoscalingPolicy, serve_autoscaling
+from deployments.autoscaling.settings import OpsSettings
+from deployments.cli.up import serve_schema, with_autoscale
+from deployments.config import PlatformConfig
+from deployments.engine import Engine, EngineConfig, GenerationRequest
+from model import load_model, load_tokenizer
+from model.runner import ModelRunner
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def engine_parts():
+    return load_model("tiny-k3"), load_tokenizer("tiny-k3")
+
+
+def make_engine(engine_parts, slots: int = 4) -> Engine:
+    model, tok = engine_parts
+    return Engine(ModelRunner(model, slots), tok, EngineConfig(num_slots=slots, max_num_seqs=slots,
+                                                               max_num_batched_tokens=16, max_model_len=256))
+
+
+def test_p95_is_the_nearest_rank():
+    assert p95([]) is None
+    assert p95([3.0]) == 3.0
+    assert p95([float(i) for i in range(1, 21)]) == 19.0  # rank ceil(0.95 x 20) = 19
+    assert p95([float(i) for i in range(1, 101)]) == 95.0
+
+
+def test_a_prefill_report_counts_the_engine_queue_and_its_window(engine_parts):
+    engine, clock = make_engine(engine_parts), Clock()
+    signals = ReplicaSignals(engine, kind="prefill", window_s=10.0, clock=clock)
+    for i in range(3):
+        engine.add_request(GenerationRequest(f"r{i}", list(range(1, 41)), 1))
+        signals.arrived()
+    r = signals.report()
+    assert set(r) == set(KEYS)
+    assert (r["waiting"], r["running"], r["prefill_tokens_queued"]) == (3, 0, 120)
+    assert (r["slots_used"], r["slots_total"], r["arrivals"]) == (0, 4, 3)
+    assert (r["ttft_p95_s"], r["ttft_count"], r["tpot_p95_s"]) == (NO_SAMPLE, 0, NO_SAMPLE)
+    engine.step()  # one step of 16 tokens: the first request's first chunk
+    clock.now += 4
+    r = signals.report()
+    assert (r["waiting"], r["running"], r["prefill_tokens_queued"], r["slots_used"]) == (2, 1, 104, 1)
+    assert r["prompt_tokens"] == engine.stats.prompt_tokens_computed == 16
+    assert r["busy_s"] == pytest.approx(engine.stats.step_s) and r["span_s"] == pytest.approx(4.0)
+    signals.ttft(0.5)
+    signals.ttft(2.0)
+    clock.now += 8  # 112 s: the window starts at the last snapshot at or before 102 s (the start, 100 s)
+    r = signals.report()
+    assert (r["span_s"], r["arrivals"], r["prompt_tokens"]) == (pytest.approx(12.0), 3, 16)
+    assert (r["ttft_p95_s"], r["ttft_count"]) == (2.0, 2)
+    clock.now += 8  # 120 s: now from the report at 104 s, after the arrivals and the step
+    r = signals.report()
+    assert (r["span_s"], r["arrivals"], r["prompt_tokens"], r["busy_s"]) == (pytest.approx(16.0), 0, 0, 0)
+    assert (r["ttft_p95_s"], r["ttft_count"]) == (2.0, 2)  # recorded at 104 s
+    clock.now += 30
+    r = signals.report()
+    assert (r["ttft_count"], r["ttft_p95_s"]) == (0, NO_SAMPLE)
+
+
+def test_decode_reports_no_prefill_queue(engine_parts):
+    engine = make_engine(engine_parts)
+    signals = ReplicaSignals(engine, kind="decode", clock=Clock())
+    engine.add_request(GenerationRequest("r", list(range(1, 41)), 4))
+    signals.tpot(0.05)
+    r = signals.report()
+    assert (r["waiting"], r["prefill_tokens_queued"], r["tpot_p95_s"], r["tpot_count"]) == (1, 0, 0.05, 1)
+
+
+def report(**values) -> dict[str, float]:
+    base = dict.fromkeys(KEYS, 0.0) | {"span_s": 10.0, "ttft_p95_s": NO_SAMPLE, "tpot_p95_s": NO_SAMPLE}
+    return base | values
+
+
+def test_a_deployment_signal_sums_counts_and_rates_and_takes_the_worst_p95():
+    s = deployment_signal("prefill-standard", pool="standard", kind="prefill", replicas=2, starting=1, batch_cap=32,
+                          reports=[report(waiting=3, running=2, arrivals=20, busy_s=5, prompt_tokens=2000,
+                                          prefill_tokens_queued=300, ttft_p95_s=1.5, ttft_count=4),
+                                   report(waiting=1, running=1, arrivals=10, span_s=5, busy_s=1, prompt_tokens=1000,
+                                          ttft_p95_s=0.7, ttft_count=2),
+                                   {"waiting": 9.0}],  # a partial report (not every key yet) adds nothing
+                          queued_in_callers=2.4)
+    assert (s.replicas, s.starting, s.waiting, s.running, s.prefill_tokens_queued) == (2, 1, 3 + 1 + 2, 3, 300)
+    assert s.arrival_rate == pytest.approx(20 / 10 + 10 / 5)
+    assert s.busy == pytest.approx((0.5 + 0.2) / 2)
+    assert s.ttft_s == 1.5 and s.tpot_s is None
+    assert s.mean_prompt_tokens == pytest.approx(3000 / 30)
+    assert s.tokens_per_s == pytest.approx(3000 / 6)
+    empty = deployment_signal("decode-highspeed", pool="highspeed", kind="decode", replicas=1, starting=0,
+                              batch_cap=4, reports=[])
+    assert (empty.busy, empty.ttft_s, empty.mean_prompt_tokens, empty.arrival_rate) == (None, None, None, 0.0)
+
+
+def test_serve_config_pieces_from_the_platform_config():
+    config = with_autoscale(PlatformConfig().with_replicas({"decode-standard": 2}), True, 6)
+    policy, per = serve_autoscaling(config)
+    spec = AutoscalerSpec.from_json(policy["policy_kwargs"]["spec"])
+    assert policy["policy_kwargs"]["settings"] == OpsSettings().to_json()
+    assert {d.name: (d.floor, d.ceiling, d.initial, d.batch_cap) for d in spec.deployments} == {
+        "prefill-standard": (1, 3, 1, 32), "decode-standard": (1, 3, 2, 32),
+        "prefill-highspeed": (1, 3, 1, 32), "decode-highspeed": (1, 3, 1, 4)}
+    assert spec.slo == {"standard": (4.0, 0.4), "highspeed": (1.0, 0.1)}
+    assert per["decode-standard"] == {"min_replicas": 1, "max_replicas": 3, "initial_replicas": 2,
+                                      "metrics_interval_s": 2.0, "look_back_period_s": 10.0,
+                                      "upscale_delay_s": 0.0, "downscale_delay_s": 0.0}
+    app = serve_schema([("deltaserve", "/", config)]).applications[0]
+    assert app.autoscaling_policy == policy
+    assert {d.name: d.autoscaling_config for d in app.deployments} == per
+    off = serve_schema([("deltaserve", "/", PlatformConfig())]).applications[0]
+    assert off.autoscaling_policy is None and all(d.num_replicas == 1 for d in off.deployments)
+
+
+@pytest.mark.parametrize(("autoscale", "budget", "message"), [
+    (False, 6, "--budget sizes the autoscaler: add --autoscale"),
+    (True, 3, "autoscale budget 3 is below the floors' sum 4"),
+])
+def test_bad_budgets_are_named(autoscale, budget, message):
+    with pytest.raises(ValueError, match=message):
+        with_autoscale(PlatformConfig(), autoscale, budget)
+
+
+def test_floors_and_ceilings_must_name_deployments_and_fit():
+    config = PlatformConfig.load({"autoscale": {"enabled": True, "ceilings": {"decode-fast": 2}}})
+    with pytest.raises(ValueError, match="unknown deployment 'decode-fast'"):
+        AutoscalerSpec.from_platform(config)
+    config = PlatformConfig.load({"autoscale": {"enabled": True, "budget": 8, "floors": {"decode-standard": 3},
+                                                "ceilings": {"decode-standard": 2}}})
+    with pytest.raises(ValueError, match="decode-standard: floor 3 is above its ceiling 2"):
+        AutoscalerSpec.from_platform(config)
+
+
+@dataclass
+class Ctx:
+    """What the policy reads of Serve's AutoscalingContext."""
+
+    deployment_name: str
+    current_num_replicas: int
+    target_num_replicas: int
+    raw_metrics: dict = field(default_factory=dict)
+    total_queued_requests: float = 0.0
+
+
+@dataclass(frozen=True)
+class Point:
+    timestamp: float
+    value: float
+
+
+def ctx(name: str, replicas: int, reports: list[dict], target: int | None = None, queued: float = 0.0) -> Ctx:
+    raw: dict = {}
+    for i, r in enumerate(reports):
+        for key, value in r.items():
+            raw.setdefault(key, {})[f"{name}#{i}"] = [Point(0.0, -5.0), Point(1.0, value)]  # the latest point counts
+    return Ctx(name, replicas, replicas if target is None else target, raw, queued)
+
+
+def policy_for(settings: OpsSettings | None = None, budget: float = 5):
+    config = with_autoscale(PlatformConfig.load({"autoscale": {"interval_s": 2}}), True, budget)
+    policy, _ = serve_autoscaling(config)
+    published: list[dict] = []
+    clock = Clock()
+    kwargs = dict(policy["policy_kwargs"], settings=(settings or OpsSettings()).to_json())
+    return ServeAutoscalingPolicy(**kwargs, publish=lambda b: published.append(json.loads(b)), clock=clock), \
+        published, clock
+
+
+def contexts(decode_standard_load: dict | None = None) -> dict:
+    out = {f"id:{n}": ctx(n, 1, [report()]) for n in ("prefill-standard", "prefill-highspeed", "decode-highspeed")}
+    out["id:decode-standard"] = ctx("decode-standard", 1, [report(**(decode_standard_load or {}))], queued=8)
+    return out
+
+
+def test_the_policy_object_decides_per_interval_and_publishes_its_status():
+    policy, published, clock = policy_for()
+    decisions, state = policy(contexts({"running": 4}))
+    # 4 running + 8 queued in the ingress's handle vs 0.85 x batch cap 32: one replica is enough
+    assert decisions == dict.fromkeys(contexts(), 1) and state == {}
+    status = published[-1]
+    assert set(status) == {"time", "paused", "budget", "spent", "deployments"}
+    assert (status["budget"], status["spent"], status["paused"]) == (5.0, 4.0, False)
+    assert status["deployments"]["decode-standard"] == {
+        "current": 1, "target": 1, "wanted": 1, "pinned": False,
+        "reason": "decode-standard: 1 -> 1: waiting 8 + running 4 = 12 vs 0.85 x batch cap 32"}
+    clock.now += 1.9
+    assert policy(contexts({"running": 32})) == ({}, {}) and len(published) == 1  # within the interval: no decision
+    clock.now += 0.1
+    decisions, _ = policy(contexts({"running": 32}))
+    assert decisions["id:decode-standard"] == 2 and len(published) == 2  # 40 / 27.2 -> 2, the budget's last replica
+    assert "cut from" not in published[-1]["deployments"]["decode-standard"]["reason"]
+
+
+def test_pins_cost_the_budget_and_pause_holds_every_target():
+    policy, published, _ = policy_for(OpsSettings(pins={"decode-highspeed": 2}))
+    decisions, _ = policy(contexts({"running": 32}))
+    assert decisions["id:decode-highspeed"] == 2 and decisions["id:decode-standard"] == 1
+    d = published[-1]["deployments"]["decode-highspeed"]
+    assert d["pinned"] and "pinned at 2" in d["reason"]
+
+    policy, published, _ = policy_for(OpsSettings(paused=True, pins={"prefill-highspeed": 2}))
+    now = contexts({"running": 32})
+    now["id:decode-standard"].target_num_replicas = 3  # Serve's target, whatever is running
+    decisions, _ = policy(now)
+    assert decisions == {"id:prefill-standard": 1, "id:decode-standard": 3, "id:prefill-highspeed": 2,
+                         "id:decode-highspeed": 1}
+    status = published[-1]
+    assert status["paused"] and status["deployments"]["decode-standard"]["reason"] == (
+        "decode-standard: 3 -> 3: autoscaler paused (deltaserve ops autoscaler resume)")
+    assert status["deployments"]["prefill-highspeed"]["reason"].startswith("prefill-highspeed: 1 -> 2: pinned at 2; ")
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"pins": {"decode-fast": 2}}, "unknown deployment 'decode-fast'"),
+    ({"pins": {"decode-standard": 9}}, "decode-standard: pin 9 is outside its floor 1 and ceiling 2"),
+    ({"budget": 3}, "budget 3 is below what the floors and pins cost"),
+    ({"paused": "yes"}, "paused must be true or false"),
+])
+def test_bad_settings_hold_the_targets_and_say_why(settings, message):
+    config = with_autoscale(PlatformConfig(), True, 5)
+    policy, _ = serve_autoscaling(config)
+    published: list[dict] = []
+    p = ServeAutoscalingPolicy(policy["policy_kwargs"]["spec"], settings, publish=lambda b: published.append(
+        json.loads(b)), clock=Clock())
+    decisions, _ = p(contexts({"running": 32}))
+    assert decisions == dict.fromkeys(contexts(), 1)
+    assert all(message in d["reason"] and "settings rejected" in d["reason"]
+               for d in published[-1]["deployments"].values()), published[-1]

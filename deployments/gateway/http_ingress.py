@@ -20,6 +20,7 @@ unsupported, :data:`UNSUPPORTED`); a value equal to the parameter's no-op (``ech
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import json
 import time
 import uuid
@@ -34,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from deployments.gateway.protocol import (ChatMessage, CompletionInput, Finished, RequestLimits, TextDelta,
                                           TokenLogprobs, total_usage)
 from deployments.observability import tracing
+from deployments.gateway.affinity import AFFINITY_HEADER, parse_affinity_header
 from deployments.gateway.errors import (ApiError, BadRequest, MethodNotAllowed, NotFound, PayloadTooLarge,
                                         UnsupportedParameter, http_error)
 from deployments.tenancy.ledger import UsageLedger, report_task_outcome
@@ -203,6 +205,14 @@ class TaskOutcomeRequest(BaseModel):
 def _api_key(request: Request) -> str | None:
     auth = request.headers.get("authorization")
     return auth if auth else request.headers.get("x-api-key")
+
+
+def _affinity(request: Request) -> bool:
+    """Whether the request's prefill may be routed by cache affinity (``x-deltaserve-affinity``)."""
+    try:
+        return parse_affinity_header(request.headers.get(AFFINITY_HEADER))
+    except ValueError as e:
+        raise BadRequest(str(e), param=AFFINITY_HEADER) from None
 
 
 def _request_id(request: Request, prefix: str = "req") -> str:
@@ -443,6 +453,8 @@ class IngressRoutes:
         rid = _request_id(request, "chatcmpl" if chat else "cmpl")
         try:
             inp = body.to_input(request.headers.get("x-session-id"), request.headers.get("x-task-id"))
+            if not _affinity(request):
+                inp = dataclasses.replace(inp, affinity=False)
             events = self.frontend.complete(_api_key(request), inp, request_id=rid,
                                             trace_parent=tracing.client_carrier(request.headers))
             head = await _first(events)

@@ -116,3 +116,125 @@ int kda_decode_f32(
     free(y);
     return 0;
 }
+
+/* Fused KDA prefill on CPU (fp32): the decode step's math for N packed sequences of any length, token after
+ * token from each sequence's slot (conv tails and state read and updated in place).
+ *
+ * Per sequence: the short conv + SiLU, the L2 norms and the decays of all its tokens first (the conv window
+ * of token t is rows t..t+W-1 of [tails ; inputs]); then head by head, so that the head's state stays in L1
+ * across the sequence, one pass over the state per token: row i of S_t = d_t,i S_{t-1},i + k_t,i u_t is
+ * written and, in the same pass, dotted with the next token's decayed key and query (the reads the next
+ * token's u and o need). Sequence n is rows cu[n] .. cu[n+1]-1 of the [T_total, .] inputs and of out.
+ */
+int kda_prefill_f32(
+    int64_t N, int64_t H, int64_t D, int64_t W,
+    const float *qkv, int64_t qkv_stride,
+    float *conv, const float *wc,
+    const float *g, int64_t g_stride, const float *a, int32_t softplus_form,
+    const float *b, int64_t b_stride,
+    const float *gate, int64_t gate_stride,
+    float *state, const int64_t *slots, int64_t num_slots,
+    const int64_t *cu,                       /* [N + 1] token offsets */
+    float eps_sum,
+    float *out                               /* [T_total, P] */
+) {
+    if (D > MAX_D || W < 1) return -1;
+    int64_t L_max = 0;
+    for (int64_t n = 0; n < N; n++) {
+        if (slots[n] < 0 || slots[n] >= num_slots) return -3;
+        if (cu[n + 1] < cu[n]) return -4;
+        if (cu[n + 1] - cu[n] > L_max) L_max = cu[n + 1] - cu[n];
+    }
+    const int64_t P = H * D, C = 3 * P, T = W - 1;
+    /* per token: q|k|v after conv, SiLU and (q, k) the L2 norm [C], then the decays [P]; the tails [T, C] */
+    float *buf = malloc((size_t)(L_max * (C + P) + T * C + 1) * sizeof(float));
+    if (!buf) return -2;
+    float *tl = buf + L_max * (C + P);
+    for (int64_t n = 0; n < N; n++) {
+        const int64_t r0 = cu[n], L = cu[n + 1] - cu[n];
+        if (L == 0) continue;
+        float *tails = conv + slots[n] * C * T;
+        for (int64_t j = 0; j < T; j++)
+            for (int64_t c = 0; c < C; c++) tl[j * C + c] = tails[c * T + j];
+        for (int64_t t = 0; t < L; t++) {
+            float *y = buf + t * (C + P), *d = y + C;
+            const float *x = qkv + (r0 + t) * qkv_stride;
+            for (int64_t c = 0; c < C; c++) y[c] = x[c] * wc[T * C + c];
+            for (int64_t j = 0; j < T; j++) {  /* window row t + j of [tails ; inputs] */
+                const int64_t i = t + j;
+                const float *row = i < T ? tl + i * C : qkv + (r0 + i - T) * qkv_stride, *w = wc + j * C;
+                for (int64_t c = 0; c < C; c++) y[c] += row[c] * w[c];
+            }
+            for (int64_t c = 0; c < C; c++) y[c] = y[c] * sigmoidf_(y[c]);
+            for (int64_t h = 0; h < 2 * H; h++) {  /* L2 norm of q and k per head */
+                float *v = y + h * D, ss = 0.f;
+                for (int64_t i = 0; i < D; i++) ss += v[i] * v[i];
+                const float r = 1.0f / sqrtf(ss + 1e-6f);
+                for (int64_t i = 0; i < D; i++) v[i] *= r;
+            }
+            const float *gn = g + (r0 + t) * g_stride;
+            if (softplus_form) for (int64_t p = 0; p < P; p++) d[p] = expf(a[p] * softplusf_(gn[p]));
+            else for (int64_t p = 0; p < P; p++) d[p] = expf(a[p] * sigmoidf_(gn[p]));
+        }
+        /* the new tails: the last T rows of [tails ; inputs] */
+        for (int64_t j = 0; j < T; j++) {
+            const int64_t i = L + j;
+            const float *row = i < T ? tl + i * C : qkv + (r0 + i - T) * qkv_stride;
+            for (int64_t c = 0; c < C; c++) tails[c * T + j] = row[c];
+        }
+        for (int64_t h = 0; h < H; h++) {
+            float *S = state + (slots[n] * H + h) * D * D;
+            float sk[MAX_D], sq[MAX_D], kd[MAX_D], qd[MAX_D], u[MAX_D];
+            /* the first token's reads of the state */
+            {
+                const float *y = buf, *d = y + C;
+                for (int64_t i = 0; i < D; i++) { kd[i] = y[P + h * D + i] * d[h * D + i]; qd[i] = y[h * D + i] * d[h * D + i]; }
+                for (int64_t j = 0; j < D; j++) { sk[j] = 0.f; sq[j] = 0.f; }
+                for (int64_t i = 0; i < D; i++) {
+                    const float *row = S + i * D;
+                    const float ki = kd[i], qi = qd[i];
+                    for (int64_t j = 0; j < D; j++) { sk[j] += ki * row[j]; sq[j] += qi * row[j]; }
+                }
+            }
+            for (int64_t t = 0; t < L; t++) {
+                const float *y = buf + t * (C + P), *dh = y + C + h * D;
+                const float *q = y + h * D, *k = y + P + h * D, *v = y + 2 * P + h * D;
+                float qk = 0.f;
+                for (int64_t i = 0; i < D; i++) qk += q[i] * k[i];
+                const float beta = sigmoidf_(b[(r0 + t) * b_stride + h]);
+                float oo = 0.f, o[MAX_D];
+                for (int64_t j = 0; j < D; j++) {
+                    u[j] = beta * (v[j] - sk[j]);
+                    o[j] = sq[j] + qk * u[j];
+                    oo += o[j] * o[j];
+                }
+                const float ro = 1.0f / sqrtf(oo + eps_sum), *gt = gate + (r0 + t) * gate_stride + h * D;
+                float *on = out + (r0 + t) * P + h * D;
+                for (int64_t j = 0; j < D; j++) on[j] = o[j] * ro * sigmoidf_(gt[j]);
+                if (t + 1 < L) {  /* the update, with the next token's reads of the new state */
+                    const float *yn = y + C + P, *dn = yn + C + h * D;
+                    for (int64_t i = 0; i < D; i++) { kd[i] = yn[P + h * D + i] * dn[i]; qd[i] = yn[h * D + i] * dn[i]; }
+                    for (int64_t j = 0; j < D; j++) { sk[j] = 0.f; sq[j] = 0.f; }
+                    for (int64_t i = 0; i < D; i++) {
+                        float *row = S + i * D;
+                        const float di = dh[i], ki = k[i], kn = kd[i], qn = qd[i];
+                        for (int64_t j = 0; j < D; j++) {
+                            const float r = di * row[j] + ki * u[j];
+                            row[j] = r;
+                            sk[j] += kn * r;
+                            sq[j] += qn * r;
+                        }
+                    }
+                } else {
+                    for (int64_t i = 0; i < D; i++) {
+                        float *row = S + i * D;
+                        const float di = dh[i], ki = k[i];
+                        for (int64_t j = 0; j < D; j++) row[j] = di * row[j] + ki * u[j];
+                    }
+                }
+            }
+        }
+    }
+    free(buf);
+    return 0;
+}

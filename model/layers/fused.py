@@ -35,6 +35,9 @@ ENABLED = True
 # Set False to run the fast paths' torch code instead of the native C kernels they call when built
 # (``kernels/native.py``): the torch code is the kernels' reference (tests compare the two).
 NATIVE = True
+# Set False to run the prefill fast paths' references instead (grouped expert GEMMs → the per-expert loop,
+# flash causal attention → masked SDPA, ...): benchmarks/bench_prefill.py times both in one run.
+PREFILL = True
 
 _generation = [0]
 

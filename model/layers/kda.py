@@ -145,12 +145,16 @@ class KimiDeltaAttention(nn.Module):
         i = pool.kda_index[self.layer_idx]
         if layout.is_decode and fast_path_ok(x):
             return self._decode_fast(x, layout, pool, i)
+        if fast_path_ok(x) and fused.PREFILL and fused.NATIVE and kda_cpu.available():
+            return self._prefill_native(x, layout, pool, i)
         if layout.is_decode:
             q, k, v = self._conv_decode(x, layout, pool.conv_state[i])
         else:
             conv = pool.conv_state[i]  # [slots, 3, P, W-1]: the q, k, v convs' tails, run as one conv of 3P channels
             N, P = layout.num_seqs, self.q_proj.out_features
             tails = conv.new_zeros(N, 3 * P, conv.shape[-1]) if layout.fresh else conv.index_select(0, layout.slot_index).view(N, 3 * P, -1)
+            if not layout.fresh and 0 in layout.starts:  # a sequence at position 0 has no earlier inputs
+                tails[torch.tensor([start == 0 for start in layout.starts], device=x.device)] = 0.0
             qkv, tails = causal_conv_packed(
                 torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1),
                 torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]), tails, layout,
@@ -238,6 +242,26 @@ class KimiDeltaAttention(nn.Module):
             )
 
         return self._fast.get(sources, build)
+
+    def _prefill_native(self, x: torch.Tensor, layout: BatchLayout, pool: StatePool, i: int) -> torch.Tensor:
+        """The prefill of :meth:`forward` (any chunk lengths, fp32 on CPU without autograd) in one C call between
+        the projections and o_proj (:func:`~kernels.kda.cpu.kda_prefill_cpu`, the decode step's math token after
+        token, each head's state in L1 across its sequence), with :meth:`_fast_weights`' fused projections. The
+        chunked torch path of :meth:`forward` is its reference. Sequences starting at position 0 start from zero
+        tails and states (their slots are zeroed first, as the chunked path starts them from zeros)."""
+        D = self.head_dim
+        W, split, wc, w_fb, dt, _, w_gb, w_o, eps_o, a_vec = self._fast_weights()
+        qkv, gate_in, fa, b = linear_t(x, W).split(split, dim=1)
+        conv, state = pool.conv_state[i], pool.kda_state[i]
+        fresh = [slot for slot, start in zip(layout.slots, layout.starts) if start == 0]
+        if fresh:
+            rows = torch.tensor(fresh, device=x.device)
+            conv.index_fill_(0, rows, 0.0)
+            state.index_fill_(0, rows, 0.0)
+        gate = gate_in if w_gb is None else linear_t(gate_in, w_gb)
+        o = kda_cpu.kda_prefill_cpu(qkv, conv, wc, linear_t(fa, w_fb, dt), a_vec, self.lower_bound is None, b, gate, state,
+                                    layout.slot_index, layout.cu_seqlens, eps_o * D)
+        return linear_t(o, w_o)
 
     def _decode_fast(self, x: torch.Tensor, layout: BatchLayout, pool: StatePool, i: int) -> torch.Tensor:
         """The decode step of :meth:`forward` (same math, fewer kernels) for fp32 on CPU without autograd.

@@ -6,8 +6,9 @@ and ``v_h = W_uv,h · latent`` (``kv_b_proj`` stacks ``[W_uk,h ; W_uv,h]`` per h
 ``(q_nope·k_nope + q_pe·k_pe) / sqrt(qk_nope + qk_rope)``, causal. K3 gates the output with
 ``sigmoid(g_proj(x))`` before ``o_proj``.
 
-Prefill expands keys and values for the chunk's attention span; decode absorbs ``W_uk``
-into the query and ``W_uv`` into the output so each step reads only the latent cache.
+Prefill expands keys and values for the chunk's attention span and attends causally without a
+materialised score matrix on the fast path (:func:`kernels.mla.prefill.causal_attention`); decode
+absorbs ``W_uk`` into the query and ``W_uv`` into the output so each step reads only the latent cache.
 
 Decode fast path (fp32, no autograd; :mod:`.fused`): the projections of ``x`` (q_a or q, kv_a,
 the output gate) as one matmul, the absorbed weights precomputed, and several sequences'
@@ -17,10 +18,10 @@ latent attention as one padded batch while their caches are small (each alone ot
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels.mla import cpu as mla_cpu
+from kernels.mla.prefill import causal_attention, causal_attention_reference
 
 from ..config import ModelConfig
 from ..state import BatchLayout, StatePool
@@ -133,12 +134,8 @@ class MLAttention(nn.Module):
         kv = self.kv_b_proj(c[..., : self.rank]).view(B, S, H, self.nope + self.v_dim)
         k = torch.cat([kv[..., : self.nope], c[..., None, self.rank :].expand(B, S, H, self.rope)], dim=-1)
         v = kv[..., self.nope :]
-        L = q.shape[1]
-        mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(diagonal=start)
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=self.scale
-        )
-        return o.transpose(1, 2)  # [B, L, H, v]
+        attend = causal_attention if fast_path_ok(q) and fused.PREFILL else causal_attention_reference  # blocked (flash) or masked
+        return attend(q, k, v, start, self.scale)  # [B, L, H, v]
 
     def _absorbed_is_cheaper(self, chunk: int) -> bool:
         """Per context token: expanding costs rank·H·(nope+v) + chunk·H·(nope+rope+v) multiply-adds,

@@ -167,11 +167,13 @@ def run_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts: nn
                 path_experts: int | None = None) -> torch.Tensor:
     """Σ_j w[t,j] · experts[idx[t,j]](x[t]): x [T, D], idx [T, k], w [T, k] fp32 → [T, D] in x's dtype.
 
-    On the inference fast path (up to ``PACKED_MAX_ASSIGNMENTS`` assignments): the C kernel
-    (:mod:`kernels.moe.cpu`) when it is built, else :func:`run_experts_packed`; otherwise
-    :func:`run_experts_loop`. ``path_experts``: pick the packed path as for a layer of that many
+    On the inference fast path, up to ``PACKED_MAX_ASSIGNMENTS`` assignments (decode): the C kernel
+    (:mod:`kernels.moe.cpu`) when it is built, else :func:`run_experts_packed`; more (prefill):
+    :func:`run_experts_grouped`. Otherwise (autograd, other dtypes) :func:`run_experts_loop`. ``path_experts``: pick the packed path as for a layer of that many
     experts (an expert-pool shard holds a renumbered subset and must round as the whole layer does).
     """
+    if len(experts) and idx.numel() > PACKED_MAX_ASSIGNMENTS and fast_path_ok(x) and fused.PREFILL:
+        return run_experts_grouped(x, idx, w, packed_experts(experts))
     if len(experts) and idx.numel() <= PACKED_MAX_ASSIGNMENTS and fast_path_ok(x):
         packed = packed_experts(experts)
         if fused.NATIVE and moe_cpu.available():  # one C call: grouped matrix-vector products per expert
@@ -270,6 +272,36 @@ def run_experts_packed(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, pack
         yg = torch.bmm(act.fused(h), w2)  # [E, C, D]
         y = yg.view(E * C, -1).index_select(0, dest)  # [A, D]
     return (y.view(T, k, -1) * w.unsqueeze(-1)).sum(1)
+
+
+def run_experts_grouped(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, packed: PackedExperts) -> torch.Tensor:
+    """:func:`run_experts_loop` for many tokens (prefill) over :class:`PackedExperts` (fp32, inference).
+
+    The assignments are sorted by expert and their input rows gathered once; each expert then runs two
+    matmuls over its contiguous block of rows (no padding, no per-token products), the GLU runs once
+    over all blocks, and the weighted outputs return to their tokens with one scatter and one batched
+    ``[1, k] @ [k, D]`` product per token."""
+    T, k = idx.shape
+    A, E = T * k, len(packed.params)
+    flat = idx.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=E).tolist()
+    w13, w2 = packed.weights([e for e, n in enumerate(counts) if n])
+    xs = x.index_select(0, order // k)  # [A, D], expert after expert
+    h = x.new_empty(A, w13.shape[-1])
+    bounds = []
+    pos = 0
+    for e, n in enumerate(counts):
+        if n:
+            torch.mm(xs[pos : pos + n], w13[e], out=h[pos : pos + n])
+            bounds.append((e, pos, pos + n))
+            pos += n
+    a = packed.act.fused(h)  # [A, I]
+    y = x.new_empty(A, w2.shape[-1])
+    for e, lo, hi in bounds:
+        torch.mm(a[lo:hi], w2[e], out=y[lo:hi])
+    ys = torch.empty_like(y).index_copy_(0, order, y)  # back to assignment order: token t's k rows together
+    return torch.bmm(w.view(T, 1, k).to(y.dtype), ys.view(T, k, -1)).view(T, -1)
 
 
 def run_experts_loop(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:

@@ -14,7 +14,7 @@ from kernels.moe.cpu import moe_experts_cpu
 from model import load_model
 from model.layers import fused
 from model.layers.attn_res import AttnResStream, attn_res_mix, mix_queries
-from model.layers.moe import packed_experts, run_experts_loop, run_experts_packed
+from model.layers.moe import packed_experts, run_experts_grouped, run_experts_loop, run_experts_packed
 from model.layers.norms import RMSNorm
 from model.runner import ModelRunner
 from tests.conftest import rel_rms
@@ -126,7 +126,7 @@ def test_whole_forward_fast_equals_general(model):
     assert rel_rms(fast, general) <= TOL
 
 
-@pytest.mark.parametrize("T", [1, 2, 3, 8, 32, 100])
+@pytest.mark.parametrize("T", [1, 2, 3, 8, 32, 100, 400])
 def test_packed_experts_equal_the_loop(T):
     model = load_model("tiny-k3")
     moe = model.model.layers[1].block_sparse_moe
@@ -137,6 +137,7 @@ def test_packed_experts_equal_the_loop(T):
         ref = run_experts_loop(x, idx, w, moe.experts)
         packed = packed_experts(moe.experts)
         assert rel_rms(run_experts_packed(x, idx, w, packed), ref) <= TOL
+        assert rel_rms(run_experts_grouped(x, idx, w, packed), ref) <= TOL  # the prefill path (any T)
         if T == 1:  # the strided pair, either order
             assert rel_rms(run_experts_packed(x, idx.flip(1), w.flip(1), packed), ref) <= TOL
         w13, w2 = packed.weights(range(len(moe.experts)))

@@ -1,9 +1,13 @@
 """The prefill fast paths equal the per-sequence references they stand beside, on awkward varlen batches."""
 
+import contextlib
+
 import pytest
 import torch
 
+from kernels.kda import cpu as kda_cpu
 from model import load_model
+from model.layers import fused
 from model.layers.kda import causal_conv_packed, causal_conv_packed_reference
 from model.runner import ModelRunner
 from model.state import BatchLayout
@@ -74,3 +78,55 @@ def test_mla_grouped_prefill_attention_matches_each_sequence_alone(mla_model, le
 
 def _ids(n, seed):
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@contextlib.contextmanager
+def _reference_prefill(flag: bool):
+    """``fused.PREFILL`` set to ``flag`` for the duration (False: the prefill fast paths' references)."""
+    old, fused.PREFILL = fused.PREFILL, flag
+    try:
+        yield
+    finally:
+        fused.PREFILL = old
+
+
+@pytest.mark.parametrize("lengths,starts", [
+    ((1, 3, 63, 64, 65), (0, 0, 0, 0, 0)),  # fresh, different lengths
+    ((7, 2, 1, 130), (3, 0, 9, 1)),         # continuing chunks beside a fresh one and a one-token chunk
+    ((100,) * 4, (0,) * 4),                 # uniform
+])
+def test_kda_native_prefill_matches_the_chunked_path(mla_model, lengths, starts):
+    """The C prefill (recurrent, per token) against the chunked torch path: outputs, conv tails and states."""
+    if not kda_cpu.available():
+        pytest.fail("the native KDA kernel did not build")
+    layer = next(l.self_attn for l in mla_model.model.layers if l.is_kda)
+    gen = torch.Generator().manual_seed(sum(lengths))
+    N = len(lengths)
+    x = torch.randn(sum(lengths), mla_model.config.hidden_size, generator=gen)
+    runs = []
+    for fast in (False, True):
+        runner = ModelRunner(mla_model, N + 1)
+        i = runner.pool.kda_index[layer.layer_idx]
+        conv, state = runner.pool.conv_state[i], runner.pool.kda_state[i]
+        conv.copy_(torch.randn(conv.shape, generator=torch.Generator().manual_seed(1)))
+        state.copy_(torch.randn(state.shape, generator=torch.Generator().manual_seed(2)) * 0.1)
+        layout = BatchLayout.make(list(range(N, 0, -1)), list(starts), list(lengths))  # slots out of order
+        with torch.inference_mode(), _reference_prefill(fast):
+            runs.append((layer(x, layout, runner.pool), conv.clone(), state.clone()))
+    (o_ref, conv_ref, state_ref), (o, conv, state) = runs
+    assert rel_rms(o, o_ref) <= TOL
+    assert torch.equal(conv, conv_ref) and rel_rms(state, state_ref) <= TOL
+
+
+@pytest.mark.parametrize("chunk", [512, 37])
+def test_runner_prefill_fast_paths_match_their_references(mla_model, chunk):
+    """Whole prefills (KDA C kernel, grouped experts, flash attention) against the reference paths, then a decode step."""
+    prompts = [_ids(n, n) for n in (300, 1, 90)]
+    logits = []
+    for fast in (False, True):
+        runner = ModelRunner(mla_model, 3, prefill_chunk=chunk)
+        slots = [runner.allocate() for _ in prompts]
+        with _reference_prefill(fast):
+            first = runner.prefill(slots, prompts)
+            logits.append((first, runner.decode(slots, [1, 2, 3])))
+    assert rel_rms(logits[1][0], logits[0][0]) <= TOL and rel_rms(logits[1][1], logits[0][1]) <= TOL

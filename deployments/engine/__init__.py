@@ -4,8 +4,8 @@ handoff, and its asyncio front. No Ray here: the Serve deployments wrap these cl
     from deployments.engine import AsyncEngine, Engine, EngineConfig, GenerationRequest
 """
 
-from .async_engine import AsyncEngine
-from .engine import Engine, EngineConfig, EngineStats, StepStats
+from .async_engine import AsyncEngine, nice_for_share
+from .engine import Engine, EngineConfig, EngineStats, StepCosts, StepStats
 from .errors import EngineBroken, EngineStepError
 from .scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from .sequence import (
@@ -36,6 +36,8 @@ __all__ = [
     "SchedulerOutput",
     "Sequence",
     "SequenceStatus",
+    "StepCosts",
     "StepStats",
     "TokenLogprob",
+    "nice_for_share",
 ]

@@ -28,6 +28,11 @@ A consumer that stops early (``aclose()``, task cancellation on client disconnec
 its request: one still queued for the next step is taken off the queue and never added; one
 in the engine is aborted right after the step under way (its slot is free before the next).
 
+``step_nice`` (a prefill replica's prefill share, :func:`nice_for_share`): the nice value of the
+thread that runs the steps (Linux schedules threads; the event loop keeps its priority, so replies
+go out at once). When another process wants the same core (a decode replica beside it) the kernel
+gives that one the larger part; an idle machine still gives the steps all of it.
+
 A failed step fails only its requests: their generators raise
 :class:`~deployments.engine.errors.EngineStepError`, and the engine steps on. Once the engine
 is broken (:attr:`Engine.broken`, or anything unexpected in the step loop), every waiting
@@ -38,9 +43,13 @@ generator and every later call raises :class:`~deployments.engine.errors.EngineB
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from .engine import Engine
@@ -50,13 +59,35 @@ from .stream_batcher import StreamBatcher
 
 _T = TypeVar("_T")
 
+log = logging.getLogger(__name__)
+
+_NICE_STEP = 1.25  # Linux CFS: each nice level weighs about 1.25x less than the one below it
+MAX_NICE = 19
+
+
+def nice_for_share(share: float) -> int:
+    """The nice value at which a thread competing for one core with a nice-0 thread gets about ``share``
+    of it (CFS weights ``1024 / 1.25**nice``): 0 for a share of 0.5 or more, 5 for 0.25, at most 19."""
+    if not 0 < share <= 1:
+        raise ValueError(f"share must be in (0, 1], got {share!r}")
+    if share >= 0.5:
+        return 0
+    return min(MAX_NICE, round(math.log((1 - share) / share, _NICE_STEP)))
+
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, *, gather_wait_s: float = 0.0, gather_gap_s: float = 0.0) -> None:
+    def __init__(self, engine: Engine, *, gather_wait_s: float = 0.0, gather_gap_s: float = 0.0,
+                 step_nice: int = 0) -> None:
         if not 0 <= gather_gap_s <= gather_wait_s:
             raise ValueError(f"need 0 <= gather_gap_s <= gather_wait_s, got gather_gap_s={gather_gap_s!r}, "
                              f"gather_wait_s={gather_wait_s!r}")
+        if not (isinstance(step_nice, int) and 0 <= step_nice <= MAX_NICE):
+            raise ValueError(f"step_nice must be an integer in 0..{MAX_NICE}, got {step_nice!r}")
         self.engine = engine
+        self.step_nice = step_nice
+        self._niced: set[int] = set()  # native ids of the step threads already at step_nice
+        # the one thread that runs the steps (only it takes step_nice; aborts and others use the loop's pool)
+        self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         self.gather_wait_s, self.gather_gap_s = gather_wait_s, gather_gap_s
         self._lock = threading.Lock()  # held for every engine call
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}  # per live generator
@@ -120,6 +151,7 @@ class AsyncEngine:
         self._fail_adds(RuntimeError("AsyncEngine was shut down"))
         for queue in self._queues.values():
             queue.put_nowait(RuntimeError("AsyncEngine was shut down"))
+        self._step_thread.shutdown(wait=False)
 
     @property
     def healthy(self) -> bool:
@@ -167,7 +199,8 @@ class AsyncEngine:
             if not adds and not self._call(self.engine.has_unfinished):
                 await wake.wait()
                 continue
-            errors, outputs, failure = await asyncio.to_thread(self._add_and_step, [(r, kw) for r, kw, _ in adds])
+            errors, outputs, failure = await asyncio.get_running_loop().run_in_executor(
+                self._step_thread, self._add_and_step, [(r, kw) for r, kw, _ in adds])
             for (_, _, added), err in zip(adds, errors):
                 if not added.done():  # done: its caller was cancelled
                     added.set_result(None) if err is None else added.set_exception(err)
@@ -206,6 +239,7 @@ class AsyncEngine:
     def _add_and_step(self, adds: list[tuple[GenerationRequest, dict[str, Any]]]) -> tuple[list[Exception | None], list[RequestOutput], Exception | None]:
         """In the step thread: add the queued requests, then step once if there is work; each
         add's error (None when added), the step's outputs, and the step's exception."""
+        self._lower_priority()
         with self._lock:
             errors: list[Exception | None] = []
             for req, kwargs in adds:
@@ -218,6 +252,18 @@ class AsyncEngine:
                 return errors, self.engine.step() if self.engine.has_unfinished() else [], None
             except Exception as e:
                 return errors, [], e
+
+    def _lower_priority(self) -> None:
+        """Put the calling (step) thread at ``step_nice`` once; never raises it back (that needs privileges)."""
+        tid = threading.get_native_id()
+        if not self.step_nice or tid in self._niced:
+            return
+        self._niced.add(tid)
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) < self.step_nice:
+                os.setpriority(os.PRIO_PROCESS, tid, self.step_nice)
+        except OSError as e:  # not Linux, or a sandbox that forbids it: the steps run at the process's priority
+            log.warning("could not lower the engine step thread's priority to nice %d: %s", self.step_nice, e)
 
     def _stop(self, error: EngineBroken) -> None:
         """The engine is broken: fail every waiting caller with ``error``, step no more."""

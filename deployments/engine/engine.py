@@ -46,6 +46,9 @@ class EngineConfig:
     max_cached_tokens: int = 1 << 20  # most tokens held in the running sequences' states (MLA grows per token)
     max_model_len: int = 8192  # most prompt + output tokens of one request
     max_consecutive_failed_steps: int = 3  # failed steps in a row after which the engine is broken
+    # most of a decoding step's time its prompt chunks may take (1.0: no cap beyond the token budget); see
+    # Engine.prefill_cap
+    prefill_share: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("num_slots", "max_num_seqs", "max_num_batched_tokens", "max_cached_tokens", "max_model_len",
@@ -53,6 +56,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not (isinstance(self.prefill_share, (int, float)) and 0 < self.prefill_share <= 1):
+            raise ValueError(f"prefill_share must be a number in (0, 1], got {self.prefill_share!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs}) "
@@ -91,13 +96,49 @@ class StepStats:
     seconds: float  # wall time of the step (schedule, forward, sampling)
 
 
+class StepCosts:
+    """Running estimates of what a step costs, from the steps that ran (exponential moving averages):
+    a decode-only step's seconds, and the seconds one prompt token adds to a step (a prefill-only step's
+    time per token; in a mixed step, what it took beyond a decode step)."""
+
+    ALPHA = 0.2  # weight of the newest step
+
+    def __init__(self) -> None:
+        self.decode_step_s: float | None = None
+        self.prefill_token_s: float | None = None
+
+    def update(self, prefill_tokens: int, decode_tokens: int, seconds: float) -> None:
+        if prefill_tokens and not decode_tokens:
+            self.prefill_token_s = self._ema(self.prefill_token_s, seconds / prefill_tokens)
+        elif decode_tokens and not prefill_tokens:
+            self.decode_step_s = self._ema(self.decode_step_s, seconds)
+        elif prefill_tokens and self.decode_step_s is not None:
+            self.prefill_token_s = self._ema(self.prefill_token_s, max(seconds - self.decode_step_s, 0.0) / prefill_tokens)
+
+    def prefill_tokens_within(self, share: float) -> int | None:
+        """Prompt tokens a decoding step may take so that they cost at most ``share`` of the step's time
+        (``share / (1 - share)`` decode steps' worth, at least one token); None until both costs are known."""
+        if share >= 1 or self.decode_step_s is None or not self.prefill_token_s:
+            return None
+        return max(1, int(share / (1 - share) * self.decode_step_s / self.prefill_token_s))
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.ALPHA * (new - old)
+
+
 class Engine:
     """Continuous batching over one :class:`ModelRunner`. Not thread-safe: one caller at a
     time (:class:`~deployments.engine.async_engine.AsyncEngine` serialises its calls).
 
     ``on_step``: called with each successful step's :class:`StepStats` on the stepping thread (the
     replica's metrics); it must be quick and not call back into the engine. An exception it raises
-    propagates out of :meth:`step` after the step's accounting is done."""
+    propagates out of :meth:`step` after the step's accounting is done.
+
+    Prefill share: a step that decodes running sequences takes at most
+    ``prefill_cap()`` prompt tokens (``EngineConfig.prefill_share`` of the step's time at the measured
+    :class:`StepCosts`; the token budget alone until both costs are measured, or with a share of 1), so a
+    long prompt is prefilled in chunks interleaved with decode steps instead of stalling every running
+    stream for its whole chunk; a step with nothing to decode keeps the whole token budget."""
 
     on_step: Callable[[StepStats], None] | None = None
 
@@ -118,6 +159,7 @@ class Engine:
         self._outputs: list[RequestOutput] = []  # final outputs made between steps (aborts, handoffs ended by their first token)
         self.consecutive_failed_steps = 0  # failed steps since the last one that succeeded
         self.broken: EngineBroken | None = None  # set when the engine can serve no more (see the module docstring)
+        self.costs = StepCosts()
 
     def add_request(
         self,
@@ -241,7 +283,7 @@ class Engine:
         t, c = time.perf_counter(), time.thread_time()
         outputs, self._outputs = self._outputs, []
         try:
-            batch = self.scheduler.schedule()
+            batch = self.scheduler.schedule(self.prefill_cap())
         except Exception as e:  # the scheduler's state is in doubt
             self._outputs = outputs + self._outputs
             raise self._break(f"scheduling raised {e!r}") from e
@@ -258,12 +300,18 @@ class Engine:
         elapsed = time.perf_counter() - t
         self.stats.step_s += elapsed
         self.stats.step_cpu_s += time.thread_time() - c
+        prefill = self.stats.prompt_tokens_computed - prompt_before
+        decode = self.stats.decode_tokens - decode_before
+        self.costs.update(prefill, decode, elapsed)
         if self.on_step is not None:
-            prefill = self.stats.prompt_tokens_computed - prompt_before
-            decode = self.stats.decode_tokens - decode_before
             kind = "mixed" if prefill and decode else "prefill" if prefill else "decode"
             self.on_step(StepStats(kind, len(batch.chunks), prefill, decode, elapsed))
         return outputs
+
+    def prefill_cap(self) -> int | None:
+        """The most prompt tokens the next step may take if it decodes running sequences (None: no cap
+        beyond ``max_num_batched_tokens``); see the class docstring."""
+        return self.costs.prefill_tokens_within(self.config.prefill_share)
 
     def has_unfinished(self) -> bool:
         """Whether :meth:`step` has anything left to do or report."""

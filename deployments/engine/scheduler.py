@@ -13,6 +13,12 @@ Every chunk counts against ``max_num_batched_tokens``: a prompt longer than the 
 budget is split across steps (chunked prefill). A sequence with a checkpoint plan also has
 its chunks end on its KDA checkpoint positions (:meth:`Sequence.tokens_to_boundary`).
 
+``prefill_tokens`` (per call): in a step that decodes running sequences, prompt chunks take at
+most this many tokens together, so prefill of new requests cannot stretch a decode step beyond
+what the engine allows (:attr:`~deployments.engine.engine.EngineConfig.prefill_share`); a prompt
+then advances a smaller chunk per step, interleaved with decode. A step without decodes keeps the
+whole token budget.
+
 Memory: only MLA latents grow with context, so the limit is ``max_cached_tokens``, the
 tokens held in the states of all running sequences after the step. When a running
 sequence's chunk would exceed it, the most recently admitted running sequence not yet
@@ -106,20 +112,25 @@ class Scheduler:
             raise RuntimeError(f"{seq} added to the scheduler twice (a bug)")
         self.waiting.append(seq)
 
-    def schedule(self) -> SchedulerOutput | None:
-        """Build the next step; None when no sequence is unfinished."""
+    def schedule(self, prefill_tokens: int | None = None) -> SchedulerOutput | None:
+        """Build the next step; None when no sequence is unfinished. ``prefill_tokens``: the most prompt
+        tokens the step may compute when it also decodes running sequences (None: the token budget alone)."""
         budget = self.max_num_batched_tokens
         cached = self.num_cached_tokens
         out = SchedulerOutput(chunks=[])
         in_step: set[int] = set()
         decoding = [s for s in self.running if s.is_decoding]
         prefilling = [s for s in self.running if not s.is_decoding]
+        # prompt tokens this step may still take (a decoding step caps them, a prefill-only step does not)
+        prompt_left = budget if prefill_tokens is None or not decoding else max(0, prefill_tokens)
         for seq in decoding + prefilling:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # swapped out as a victim earlier in this loop
                 continue
-            n = min(seq.num_uncomputed, budget, seq.tokens_to_boundary())
+            n = min(seq.num_uncomputed, budget, seq.tokens_to_boundary(), budget if seq.is_decoding else prompt_left)
+            if n == 0:
+                continue
             while cached + n > self.max_cached_tokens and seq.status is SequenceStatus.RUNNING:
                 victim = next(s for s in reversed(self.running) if id(s) not in in_step)
                 cached -= victim.num_computed
@@ -130,9 +141,12 @@ class Scheduler:
                 in_step.add(id(seq))
                 budget -= n
                 cached += n
+                prompt_left -= 0 if seq.is_decoding else n
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed, budget, seq.tokens_to_boundary())
+            n = min(seq.num_uncomputed, budget, seq.tokens_to_boundary(), budget if seq.is_decoding else prompt_left)
+            if n == 0:
+                break  # its prompt waits for a step with room (FCFS: nothing behind it overtakes)
             if cached + seq.num_computed + n > self.max_cached_tokens:
                 break
             slot = self.slots.allocate()
@@ -144,6 +158,7 @@ class Scheduler:
                 seq.host_state = None
                 out.restored.append(seq)
             seq.slot, seq.status = slot, SequenceStatus.RUNNING
+            prompt_left -= 0 if seq.is_decoding else n
             self.running.append(seq)
             out.chunks.append(ScheduledChunk(seq, seq.next_chunk(n)))
             budget -= n

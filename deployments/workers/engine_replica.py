@@ -6,9 +6,10 @@ import contextlib
 import time
 from collections.abc import Iterator
 
-from deployments.engine import AsyncEngine, CheckpointPlan, Engine, EngineConfig
+from deployments.engine import AsyncEngine, CheckpointPlan, Engine, EngineConfig, nice_for_share
 from model.runner import ModelRunner
 
+from deployments.autoscaling.replica_signals import ReplicaSignals
 from deployments.observability import metrics, tracing
 from deployments.observability.replica_metrics import ReplicaMetrics
 from deployments.config import PlatformConfig
@@ -36,21 +37,29 @@ class EngineReplica:
             self.tokenizer,
             EngineConfig(num_slots=num_slots, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max(config.pools[pool].max_num_batched_tokens, max_num_seqs),
-                         max_model_len=config.max_model_len),
+                         max_model_len=config.max_model_len, prefill_share=config.pools[pool].prefill_share),
         )
         wait, gap = config.pools[pool].gather_s(kind)
-        self.async_engine = AsyncEngine(self.engine, gather_wait_s=wait, gather_gap_s=gap)
+        # a prefill replica's steps yield the CPU to a decode replica that wants it (PoolConfig.prefill_share)
+        nice = nice_for_share(config.pools[pool].prefill_share) if kind == "prefill" else 0
+        self.async_engine = AsyncEngine(self.engine, gather_wait_s=wait, gather_gap_s=gap, step_nice=nice)
         self.replica = replica_id()
         self.cache = make_cache(config, model.config)
         self.plan = CheckpointPlan(config.cache.block_size, config.cache.checkpoint_every)
         metrics.set_enabled(config.metrics.enabled)
         self.metrics = ReplicaMetrics(self.engine, self.cache, pool=pool, kind=kind, expert_pool=self.expert_pool,
                                       interval_s=min(1.0, config.metrics.scrape_interval_s))
+        self.signals = ReplicaSignals(self.engine, kind=kind)  # the autoscaler's report
 
     def check_health(self) -> None:
         """Serve calls this every health-check period: raising (EngineBroken, once the engine is
         broken) marks the replica unhealthy, and Serve stops routing to it and replaces it."""
         self.async_engine.check_health()
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve calls this every few seconds when the deployment has an ``autoscaling_config`` (``deltaserve
+        up --autoscale``) and ships the result to the autoscaler (deployments/autoscaling/replica_signals.py)."""
+        return self.signals.report()
 
     def stats(self) -> dict:
         # running / waiting / free_slots: what a client that hung up must give back (tests/deployments/test_disconnect.py)

@@ -110,8 +110,8 @@ def spy_schedule(engine: Engine) -> list:
     seen = []
     schedule, sched, cfg = engine.scheduler.schedule, engine.scheduler, engine.config
 
-    def recording():
-        out = schedule()
+    def recording(*args, **kwargs):
+        out = schedule(*args, **kwargs)
         if out is not None:
             assert len(sched.running) <= cfg.max_num_seqs and out.num_tokens <= cfg.max_num_batched_tokens
             assert sched.num_cached_tokens + out.num_tokens <= cfg.max_cached_tokens

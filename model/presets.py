@@ -5,6 +5,8 @@
   one shared expert, routed experts stored MXFP4.
 * ``tiny-linear``: the kimi_linear format at toy size (softplus gate, low-rank output gate,
   plain residuals, SiLU experts).
+* ``tiny-k3-mla``: ``tiny-k3`` with every layer MLA (same widths): the all-attention baseline the hybrid is
+  measured against (``benchmarks/bench_prefill.py``).
 * ``k3-tiny``: ``tiny-k3`` trained on the Python standard library (``scripts/train_tiny.py``),
   shipped in ``model/checkpoints/k3-tiny``; the platform's default model.
 """
@@ -74,6 +76,14 @@ PRESETS: dict[str, dict] = {
         "model_type": "kimi_k3",
         "architectures": ["KimiK3ForCausalLM"],
         "text_config": _TINY_K3_TEXT,
+    },
+    "tiny-k3-mla": {
+        "model_type": "kimi_k3",
+        "architectures": ["KimiK3ForCausalLM"],
+        "text_config": {
+            **_TINY_K3_TEXT,
+            "linear_attn_config": {**_TINY_K3_TEXT["linear_attn_config"], "kda_layers": [], "full_attn_layers": list(range(1, 9))},
+        },
     },
     "tiny-linear": {
         "model_type": "kimi_linear",

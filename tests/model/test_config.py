@@ -19,6 +19,12 @@ def test_presets_parse_with_zero_based_layers():
     assert [lin.is_moe(i) for i in range(4)] == [False, True, True, True]
 
 
+def test_all_mla_preset_is_tiny_k3_with_every_layer_mla():
+    hybrid, mla = (ModelConfig.from_hf(preset_config(n)) for n in ("tiny-k3", "tiny-k3-mla"))
+    assert mla.kda_layers == () and mla.mla_layers == tuple(range(8))
+    assert mla == hybrid.with_layers((), tuple(range(8)))
+
+
 def test_fingerprint_depends_on_architecture():
     a = ModelConfig.from_hf(preset_config("tiny-k3"))
     assert a.fingerprint() == ModelConfig.from_hf(preset_config("tiny-k3")).fingerprint()

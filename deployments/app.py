@@ -29,7 +29,22 @@ from deployments.workers.handoff import GRPC_LIMIT_ENV, grpc_message_limit
 from deployments.workers.prefill import Prefill
 
 
-def _options(config: PlatformConfig, name: str, replicas: int, *, max_ongoing: int, max_queued: int = -1) -> dict:
+SHUTDOWN_MARGIN_S = 30.0  # beyond a pool's request_timeout_s: its last chunks and the checkpoint writes
+ADMIN_SHUTDOWN_S = 20.0  # cache-admin: its calls are short admin requests
+
+
+def shutdown_timeout_s(config: PlatformConfig, pool: str | None) -> float:
+    """How long a replica being removed (scale-down, redeploy) may keep serving what it holds: the
+    longest request ``pool`` allows (every pool's, for the ingress and the expert shards that serve
+    them all) plus :data:`SHUTDOWN_MARGIN_S`. Serve sends a stopping replica no new request, waits for
+    its ongoing ones (a decode replica's streams, a prefill replica's step) and only then stops it; a
+    stream still running when the time is up fails over from its checkpoint (docs/autoscaling.md)."""
+    pools = [config.pools[pool]] if pool is not None else list(config.pools.values())
+    return max(pc.request_timeout_s for pc in pools) + SHUTDOWN_MARGIN_S
+
+
+def _options(config: PlatformConfig, name: str, replicas: int, *, max_ongoing: int, max_queued: int = -1,
+             shutdown_s: float = ADMIN_SHUTDOWN_S) -> dict:
     """Serve options of one deployment.
 
     ``max_ongoing``: what one replica can hold (a prefill replica's slots, a decode replica's
@@ -39,11 +54,12 @@ def _options(config: PlatformConfig, name: str, replicas: int, *, max_ongoing: i
     replaces a replica that fails it three times in a row. Every replica accepts gRPC messages as
     large as a handoff at the full context (throughput-optimized Serve sends requests and replies
     between replicas over gRPC; :mod:`deployments.workers.handoff`); a larger limit already in the
-    cluster's environment stays.
+    cluster's environment stays. ``shutdown_s``: its ``graceful_shutdown_timeout_s``
+    (:func:`shutdown_timeout_s`).
     """
     limit = max(grpc_message_limit(config.model, config.max_model_len), int(os.environ.get(GRPC_LIMIT_ENV) or 0))
     return {"name": name, "num_replicas": replicas, "max_ongoing_requests": max_ongoing,
-            "max_queued_requests": max_queued, "graceful_shutdown_timeout_s": 120,
+            "max_queued_requests": max_queued, "graceful_shutdown_timeout_s": shutdown_s,
             "health_check_period_s": config.health_check_period_s, "health_check_timeout_s": config.health_check_timeout_s,
             "ray_actor_options": {"num_cpus": config.replica_num_cpus,
                                   "runtime_env": {"env_vars": {GRPC_LIMIT_ENV: str(limit)}}}}
@@ -70,23 +86,27 @@ def build_app(args: dict | PlatformConfig | None = None) -> serve.Application:
     shards = []
     if config.expert_mode == "pool":
         # every prefill/decode replica sends one call per MoE layer and step: no engine cap to mirror
-        shards = [serve.deployment(ExpertShard, **_options(config, name, counts[name], max_ongoing=256)).bind(
+        shards = [serve.deployment(ExpertShard, **_options(config, name, counts[name], max_ongoing=256,
+                                                               shutdown_s=shutdown_timeout_s(config, None))).bind(
                       config, s, config.expert_shards)
                   for s in range(config.expert_shards) for name in [f"expert-pool-{s}"]]
     prefill, decode = {}, {}
     for pool, pc in config.pools.items():
         prefill[pool] = serve.deployment(Prefill, **_options(config, f"prefill-{pool}", counts[f"prefill-{pool}"],
                                                              max_ongoing=config.num_slots,
-                                                             max_queued=pc.max_queued_requests),
+                                                             max_queued=pc.max_queued_requests,
+                                                             shutdown_s=shutdown_timeout_s(config, pool)),
                                        **request_router_options(config)).bind(
             config, pool, shards or None, object_store_handoff=True)
         decode[pool] = serve.deployment(Decode, **_options(config, f"decode-{pool}", counts[f"decode-{pool}"],
                                                            max_ongoing=pc.max_num_seqs,
                                                            # what prefill admitted may all wait here: a stream whose
                                                            # first token the client has is not shed for capacity
-                                                           max_queued=pc.max_queued_requests + config.num_slots)).bind(
+                                                           max_queued=pc.max_queued_requests + config.num_slots,
+                                                           shutdown_s=shutdown_timeout_s(config, pool))).bind(
             config, pool, shards or None)
     admin = serve.deployment(CacheAdmin, **_options(config, "cache-admin", 1, max_ongoing=16)).bind(config, prefill, decode)
     return serve.deployment(IngressASGI, **_options(config, "ingress", 1, max_ongoing=config.ingress_max_ongoing_requests,
-                                                    max_queued=config.ingress_max_queued_requests)).bind(
+                                                    max_queued=config.ingress_max_queued_requests,
+                                                    shutdown_s=shutdown_timeout_s(config, None))).bind(
         config, prefill, decode, admin)

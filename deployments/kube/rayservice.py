@@ -13,6 +13,11 @@ after it (``deltaserve-<group>``) and the deployment's ``ray_actor_options`` ask
 (and one GPU). Those options replace the builder's own in Serve, so they repeat its runtime
 environment: the gRPC message limit that fits a handoff at ``max_model_len``
 (:func:`deployments.workers.handoff.grpc_message_limit`).
+
+With ``autoscale.enabled`` in the config (``deltaserve k8s render --config``), ``serveConfigV2`` carries
+the autoscaler as ``deltaserve up --autoscale`` deploys it (the application's ``autoscaling_policy``,
+an ``autoscaling_config`` per engine deployment), Ray's in-tree autoscaler is on, and each pinned
+engine group may grow from the pods its deployments' floors need to those their ceilings need.
 """
 
 from __future__ import annotations
@@ -147,9 +152,11 @@ def serve_config(overlay: Overlay) -> dict:
     from deployments.cli.up import GRPC_SERVICER
     from deployments.workers.handoff import GRPC_LIMIT_ENV, grpc_message_limit
 
+    from deployments.cli.up import app_schema
+
     config = overlay.config
-    counts = config.replica_counts()
-    overrides = {d: {"name": d, "num_replicas": c} for d, c in counts.items()}
+    app = app_schema(APP_NAME, "/", config)
+    overrides = {d["name"]: d for d in app["deployments"]}
     if overlay.pinned:
         limit = str(grpc_message_limit(config.model, config.max_model_len))
         for group in overlay.groups:
@@ -160,13 +167,12 @@ def serve_config(overlay: Overlay) -> dict:
                 options["resources"] = {group.ray_resource: 1}
                 options["runtime_env"] = {"env_vars": {GRPC_LIMIT_ENV: limit}}
                 overrides.setdefault(d, {"name": d})["ray_actor_options"] = options
-    args = config.without_replica_counts().model_dump(mode="json")
+    app["deployments"] = list(overrides.values())
     return {"proxy_location": "EveryNode",
             "http_options": {"host": config.host, "port": config.http_port},
             "grpc_options": {"port": config.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER],
                              "enable_reflection": True},
-            "applications": [{"name": APP_NAME, "route_prefix": "/", "import_path": IMPORT_PATH, "args": args,
-                              "deployments": list(overrides.values())}]}
+            "applications": [app]}
 
 
 def ray_env(overlay: Overlay) -> list[dict]:
@@ -239,13 +245,30 @@ def head_group(overlay: Overlay) -> dict:
             "template": _pod(overlay, "head", overlay.head, ports)}
 
 
+def _group_bounds(overlay: Overlay, group: WorkerGroup) -> tuple[int, int]:
+    """(minReplicas, maxReplicas) of a worker group: its fixed size, or, with the autoscaler on, the pods its
+    pinned engine deployments need at their floors and at their ceilings (one replica per pod slot): the
+    autoscaler sets replica counts, and Ray's in-tree autoscaler adds or removes the pods they need."""
+    if not overlay.config.autoscale.enabled or not group.deployments:
+        return group.replicas, group.replicas
+    from deployments.autoscaling.serve_policy import AutoscalerSpec
+
+    sized = {d.name: d for d in AutoscalerSpec.from_platform(overlay.config).deployments}
+    if not set(group.deployments) <= set(sized):  # the frontend group: ingress and cache-admin stay fixed
+        return group.replicas, group.replicas
+    pods = lambda n: -(-n // group.slots)  # noqa: E731
+    return (pods(sum(sized[d].floor for d in group.deployments)),
+            max(group.replicas, pods(sum(sized[d].ceiling for d in group.deployments))))
+
+
 def worker_group(overlay: Overlay, group: WorkerGroup) -> dict:
     params = {"num-cpus": str(group.resources.cpu), "metrics-export-port": str(overlay.config.metrics.export_port),
               "object-store-memory": str(group.resources.object_store_bytes)}
     if group.resources.gpus:
         params["num-gpus"] = str(group.resources.gpus)
-    spec = {"groupName": group.name, "replicas": group.replicas, "minReplicas": group.replicas,
-            "maxReplicas": group.replicas, "rayStartParams": params}
+    low, high = _group_bounds(overlay, group)
+    spec = {"groupName": group.name, "replicas": group.replicas, "minReplicas": low,
+            "maxReplicas": high, "rayStartParams": params}
     if group.deployments:
         spec["resources"] = {group.ray_resource: str(group.slots)}
     ports = [("dashboard-agent", n.RAY_AGENT_PORT)] + _serve_ports(overlay.config) + list(group.ports)
@@ -266,7 +289,8 @@ def rayservice(overlay: Overlay) -> dict:
                                            "protocol": "TCP"}]}},
                      "rayClusterConfig": {
                          "rayVersion": importlib.metadata.version("ray"),
-                         "enableInTreeAutoscaling": False,
+                         # on with the autoscaler: the pods follow the replica counts it sets (_group_bounds)
+                         "enableInTreeAutoscaling": config.autoscale.enabled,
                          # Ray's token authentication: KubeRay creates the token's Secret and gives it to every pod
                          "authOptions": {"mode": "token"},
                          "headGroupSpec": head_group(overlay),

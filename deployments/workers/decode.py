@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import AsyncIterator
 
 from deployments.engine import EngineBroken, EngineStepError, GenerationRequest
@@ -38,6 +39,20 @@ class Decode(EngineReplica):
         slots = max(config.num_slots, config.pools[pool].max_num_seqs)
         super().__init__(config, pool, "decode", expert_shards, num_slots=slots, max_num_seqs=config.pools[pool].max_num_seqs)
         self.stream_interval_s = config.pools[pool].stream_interval_ms / 1e3
+        self.draining = False
+
+    def reconfigure(self, user_config: dict | None) -> None:
+        """Serve calls this with the deployment's ``user_config``, at start and on every change:
+        ``user_config["drain"]`` lists the replica ids that drain (``deltaserve ops drain``)."""
+        self.draining = self.replica in ((user_config or {}).get("drain") or ())
+
+    def check_health(self) -> None:
+        """A draining replica fails its health checks: Serve stops routing to it and stops it gracefully
+        (its open streams finish; one still open after ``graceful_shutdown_timeout_s`` fails over from its
+        last checkpoint) and starts a replacement."""
+        if self.draining:
+            raise RuntimeError(f"decode replica {self.replica} is draining (deltaserve ops drain)")
+        super().check_health()
 
     async def generate(self, req: DecodeRequest) -> AsyncIterator[DecodeChunk]:
         p = req.prefill
@@ -45,7 +60,8 @@ class Decode(EngineReplica):
             "deltaserve.pool": self.pool, "deltaserve.tenant": p.tenant, "deltaserve.replica": self.replica,
             "deltaserve.request_id": p.request_id, "deltaserve.prompt_tokens": len(p.prompt_ids),
             "deltaserve.replayed_tokens": len(p.replay_ids)})
-        n = 0
+        n, t0 = 0, time.perf_counter()
+        self.signals.arrived()
         try:
             data = req.state
             if handoff.is_state_ref(data):
@@ -70,6 +86,8 @@ class Decode(EngineReplica):
                             n = out.num_output_tokens
                             if recorder is not None:
                                 recorder.add(out.checkpoints)
+                            if out.finished and (decoded := n - 1 - len(p.replay_ids)) > 0:
+                                self.signals.tpot((time.perf_counter() - t0) / decoded)  # the tokens decoded here
                             yield DecodeChunk(out.new_text, tuple(out.new_token_ids), out.finished,
                                               out.finish_reason.value if out.finish_reason else None, n, self.replica,
                                               out.new_logprobs)

@@ -24,7 +24,8 @@ What is modelled (costs from a :class:`~deployments.autoscaling.profile.Profile`
 
 Every ``tick_s`` the simulator builds an :class:`Observation` (a :class:`DeploymentSignal` per deployment,
 over the last ``window_s``: the signals the live replicas export) and applies the policy's Decision.
-The replicas start as the policy's first decision (made at time 0 with no load), already serving.
+The replicas start as ``SimSettings.initial`` says, else as the policy's first decision (made at time 0 with no
+load), already serving.
 
 Decode runs in segments: between two changes of a replica's batch (a stream finishing or joining) every
 step has the same batch, so a segment of k steps is one event; its step time uses the batch's mean
@@ -96,10 +97,15 @@ class SimSettings:
     cache_token_hit_rate: float | None = None  # None: the profile's
     cache_request_hit_rate: float | None = None  # None: the profile's
     noise: bool = True  # multiply step times by a lognormal of the profile's relative residual
+    initial: dict[str, int] | None = None  # replicas serving at time 0 (as `deltaserve up --replicas` starts them);
+    # None: the policy's first decision, made at time 0 with no load
 
     def __post_init__(self) -> None:
         if not (self.tick_s > 0 and self.window_s >= self.tick_s):
             raise ValueError(f"need tick_s > 0 and window_s >= tick_s, got tick_s={self.tick_s}, window_s={self.window_s}")
+        bad = {n: c for n, c in (self.initial or {}).items() if not (isinstance(c, int) and c >= 0)}
+        if bad:
+            raise ValueError(f"initial replica counts must be integers >= 0, got {bad}")
 
 
 class SimRequest:
@@ -655,7 +661,14 @@ class Simulator:
 
     # --- the run ------------------------------------------------------------------------------------------
     def run(self) -> SimResult:
-        first = self.policy.decide(self.observe(), self.settings.budget)
+        if self.settings.initial is not None:
+            unknown = sorted(set(self.settings.initial) - set(self.deps))
+            if unknown:
+                raise ValueError(f"initial counts name unknown deployments {unknown}; the simulator has {sorted(self.deps)}")
+            start = {n: self.settings.initial.get(n, 0) for n in self.deps}
+            first = Decision(start, {n: "initial" for n in start})
+        else:
+            first = self.policy.decide(self.observe(), self.settings.budget)
         for name, n in self._check(first).items():
             self.deps[name].target = int(n)
             self.deps[name].targets.append(int(n))

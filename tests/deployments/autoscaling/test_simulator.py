@@ -337,3 +337,20 @@ def test_cli_simulate_errors_name_the_bad_value(tmp_path, capsys):
     assert main(["autoscale", "simulate", "--trace", f"premium={std}", "--out", str(tmp_path / "o")]) == 2
     assert "trace pools ['premium'] are not pools of the platform config" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_initial_counts_serve_from_time_zero_and_the_policy_first_decides_at_the_first_tick():
+    """With ``initial`` (as `deltaserve up --replicas` starts them) the replicas serve at time 0 and the policy is
+    first asked at the first tick, seeing them; without it the first decision (time 0, no load) sets them."""
+    trace = reqs(*[(0.5 * i, 20, 5) for i in range(20)])
+    policy = Scripted([1])
+    result = simulate(trace, policy, budget=4, tick_s=1.0, initial={"prefill-standard": 1, "decode-standard": 3})
+    assert policy.seen[0].time_s == 1.0 and policy.seen[0].signals["decode-standard"].replicas == 3
+    assert result.deployments["decode-standard"]["scale_log"][0] == {"t": 1.0, "from": 3, "to": 1, "reason": ""}
+    lazy = Scripted([1])
+    simulate(trace, lazy, budget=4, tick_s=1.0)
+    assert lazy.seen[0].time_s == 0.0
+    with pytest.raises(ValueError, match="unknown deployments \\['decode-x'\\]"):
+        simulate(trace, Scripted([1]), budget=4, initial={"decode-x": 1})
+    with pytest.raises(ValueError, match="integers >= 0"):
+        SimSettings(Budget(total=4), initial={"decode-standard": -1})

@@ -1,0 +1,465 @@
+"""Does the simulator tell the truth? A time-compressed surge replayed on the live platform, next to the simulator.
+
+One trace of a few minutes (:func:`surge_trace`, seeded): standard at a steady Poisson rate throughout, highspeed
+at a low rate that surges for ``--surge-s`` seconds in the middle and drops back. It is replayed open-loop (every
+request sent at its arrival time, streamed, ``ignore_eos``: exactly its output length) on `deltaserve up`
+(``tests/deployments/platform_fixture.start_platform``: free ports, no cache, experts colocated) twice:
+
+* **static**: the budget of ``--budget`` engine replicas split as the simulator's ``static`` policy splits it (in
+  proportion to each deployment's mean load over this trace), given as ``--replicas``;
+* **autoscale**: ``--autoscale --budget N``, the same counts as the initial ones.
+
+Per run and pool: TTFT and TPOT p50 / p95 measured at the client (TTFT: send to first streamed chunk; TPOT:
+first to last chunk over the tokens after the first chunk, chunks counted with ``continuous_usage_stats``), SLO
+attainment (both targets met; a failed request misses), failed requests (an HTTP error or an exception) and
+aborted streams (a stream that ended without all its tokens), and the serving replicas of every engine deployment
+over time (``serve.status()`` every ``--poll-s`` from a Ray driver). The same trace goes through the simulator
+(``deployments/autoscaling/simulator.py``) with the same split / the same policy and a profile measured on this
+machine just before (``deltaserve autoscale profile``; ``--profile FILE`` reuses one): predicted vs measured
+p50 / p95 side by side, the ratio and whether it is within 25%.
+
+Surge checks on the autoscaled run: the first time highspeed holds more replicas than before the surge (within
+30 s of its start) and the first time after the surge ends that it is back at its pre-surge count (within 60 s).
+
+Writes ``benchmarks/results/autoscale_live.{json,md,png}``. Starts Ray: run it under the platform slot.
+
+    /tmp/with-platform-slot .venv/bin/python benchmarks/autoscale_live.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.bench_serving import _stream, sized_prompts  # noqa: E402
+from benchmarks.report import RESULTS_DIR  # noqa: E402
+from deployments.autoscaling.policy import DeltaservePolicy, DeltaserveParams, StaticPolicy, proportional_split  # noqa: E402
+from deployments.autoscaling.profile import Profile, load_profile  # noqa: E402
+from deployments.autoscaling.signals import Budget  # noqa: E402
+from deployments.autoscaling.simulator import SimResult, SimSettings, Simulator, offered_load  # noqa: E402
+from deployments.autoscaling.traces import TraceRequest  # noqa: E402
+from deployments.config import PlatformConfig  # noqa: E402
+
+COMMAND = "/tmp/with-platform-slot .venv/bin/python benchmarks/autoscale_live.py"
+MODELS = {"standard": "k3-tiny", "highspeed": "k3-tiny-highspeed"}
+TOLERANCE = 0.25            # predicted vs measured, relative to measured
+MOVE_WITHIN_S = 30.0        # replicas reach highspeed this soon after the surge begins
+BACK_WITHIN_S = 60.0        # ... and leave it this soon after it ends
+
+
+@dataclass(frozen=True)
+class SurgeShape:
+    """The replayed trace, in real seconds on the live platform."""
+
+    duration_s: float = 300.0
+    surge_start_s: float = 60.0
+    surge_s: float = 45.0
+    standard_rate: float = 2.1        # requests/s, the whole run
+    highspeed_rate: float = 0.2       # requests/s outside the surge
+    highspeed_surge_rate: float = 5.0  # requests/s during the surge
+    standard_prompt: int = 512        # prompt tokens (the byte tokenizer: bytes)
+    standard_output: int = 16
+    highspeed_prompt: int = 640
+    highspeed_output: int = 16
+    seed: int = 0
+
+    @property
+    def surge_end_s(self) -> float:
+        return self.surge_start_s + self.surge_s
+
+
+def surge_trace(shape: SurgeShape) -> list[TraceRequest]:
+    """Poisson arrivals (seeded) at the shape's piecewise-constant rates, fixed lengths per pool, sorted."""
+    rng = random.Random(shape.seed)
+    out: list[TraceRequest] = []
+
+    def poisson(pool: str, start: float, end: float, rate: float, prompt: int, output: int) -> None:
+        t = start
+        while rate > 0:
+            t += rng.expovariate(rate)
+            if t >= end:
+                return
+            out.append(TraceRequest(t, pool, prompt, output))
+
+    poisson("standard", 0.0, shape.duration_s, shape.standard_rate, shape.standard_prompt, shape.standard_output)
+    for start, end, rate in ((0.0, shape.surge_start_s, shape.highspeed_rate),
+                             (shape.surge_start_s, shape.surge_end_s, shape.highspeed_surge_rate),
+                             (shape.surge_end_s, shape.duration_s, shape.highspeed_rate)):
+        poisson("highspeed", start, end, rate, shape.highspeed_prompt, shape.highspeed_output)
+    return sorted(out, key=lambda r: r.arrival_s)
+
+
+def live_params(shape: SurgeShape) -> DeltaserveParams:
+    """The autoscaler's parameters for a compressed replay: its cooldowns in the replay's seconds (the
+    defaults are for real time: 600 s down cooldown, 120 s sustained average)."""
+    return DeltaserveParams(down_cooldown_s=20.0, sustained_tau_s=15.0)
+
+
+def static_split(requests: list[TraceRequest], profile: Profile, config: PlatformConfig, budget: int) -> dict[str, int]:
+    """The simulator's ``static`` split of ``budget`` for this trace (mean load per deployment)."""
+    loads = offered_load(requests, profile, config, 0.0)
+    names = sorted(loads)
+    return proportional_split(names, loads, Budget(total=budget))
+
+
+# --- predicted ----------------------------------------------------------------------------------------------------
+
+
+def predict(requests: list[TraceRequest], policy, profile: Profile, config: PlatformConfig, budget: int,
+            interval_s: float, initial: dict[str, int], name: str) -> SimResult:
+    """The simulator on the replayed trace: no cache (the live runs have none), the live platform's initial
+    counts, the autoscaler's tick."""
+    settings = SimSettings(Budget(total=budget), tick_s=interval_s, window_s=max(10.0, interval_s), seed=0,
+                           cache_token_hit_rate=0.0, cache_request_hit_rate=0.0, initial=dict(initial))
+    return Simulator(requests, policy, profile, config, settings, name=name).run()
+
+
+def measure_profile(out: Path) -> Path:
+    """``deltaserve autoscale profile`` on this machine now (what the live replicas will see)."""
+    subprocess.run([sys.executable, "-m", "deployments.cli.main", "autoscale", "profile", "--out", str(out)],
+                   cwd=ROOT, check=True, timeout=1800)
+    return out
+
+
+# --- measured -----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """One replayed request."""
+
+    pool: str
+    arrival_s: float      # its trace time
+    sent_s: float         # when it was sent, seconds after the replay began
+    ttft_s: float | None
+    tpot_s: float | None
+    tokens: int
+    expected: int
+    error: str | None     # failed: HTTP status / exception text
+
+    @property
+    def aborted(self) -> bool:
+        return self.error is None and self.tokens != self.expected
+
+
+async def _one(client: httpx.AsyncClient, url: str, key: str, req: TraceRequest, prompt: str, t0: float) -> Outcome:
+    await asyncio.sleep(max(0.0, t0 + req.arrival_s - time.perf_counter()))
+    sent = time.perf_counter() - t0
+    try:
+        r = await _stream(client, url, key, MODELS[req.pool], prompt, req.output_tokens, continuous=True)
+    except Exception as e:  # noqa: BLE001 - every failure is counted, with its text
+        return Outcome(req.pool, req.arrival_s, sent, None, None, 0, req.output_tokens, f"{type(e).__name__}: {e}"[:300])
+    return Outcome(req.pool, req.arrival_s, sent, r["ttft"], r["tpot"], r["tokens"], req.output_tokens, None)
+
+
+def replay(url: str, key: str, requests: list[TraceRequest]) -> list[Outcome]:
+    """Every request at its arrival time (open loop), concurrently; returns them in trace order."""
+    prompts = {}
+    for pool in {r.pool for r in requests}:
+        mine = [r for r in requests if r.pool == pool]
+        texts = sized_prompts(len(mine), mine[0].prompt_tokens, salt=f"{pool}-")  # distinct: no shared prefixes
+        prompts |= {id(r): t for r, t in zip(mine, texts, strict=True)}
+
+    async def run() -> list[Outcome]:
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+            t0 = time.perf_counter() + 1.0
+            return await asyncio.gather(*(_one(client, url, key, r, prompts[id(r)], t0) for r in requests))
+
+    return asyncio.run(run())
+
+
+class ReplicaPoller:
+    """Serving replicas per engine deployment every ``period_s`` (``serve.status()`` from a Ray driver), as
+    (seconds since ``t0``, {deployment: RUNNING replicas}); run it as a context manager around the replay."""
+
+    def __init__(self, deployments: list[str], period_s: float) -> None:
+        self.deployments, self.period_s = deployments, period_s
+        self.samples: list[tuple[float, dict[str, int]]] = []
+        self.t0 = time.perf_counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        from ray import serve
+
+        while not self._stop.is_set():
+            try:
+                deps = serve.status().applications["deltaserve"].deployments
+                counts = {n: int(deps[n].replica_states.get("RUNNING", 0)) for n in self.deployments if n in deps}
+                self.samples.append((time.perf_counter() - self.t0, counts))
+            except Exception as e:  # noqa: BLE001 - a missed sample is a gap in the timeline, not a failure
+                print(f"autoscale_live: serve.status() failed: {e}", file=sys.stderr)
+            self._stop.wait(self.period_s)
+
+    def __enter__(self) -> ReplicaPoller:
+        self.t0 = time.perf_counter() + 1.0  # the replay's t0 (it starts 1 s after it is built)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+
+def run_live(mode: str, requests: list[TraceRequest], split: dict[str, int], budget: int, poll_s: float,
+             workdir: Path) -> dict:
+    """One `deltaserve up` (static split, or --autoscale from it), the replay, the replica timeline."""
+    from tests.deployments.platform_fixture import ray_driver, start_platform
+
+    args = [a for name, n in sorted(split.items()) for a in ("--replicas", f"{name}={n}")]
+    if mode == "autoscale":
+        args += ["--autoscale", "--budget", str(budget)]
+    started = time.perf_counter()
+    with start_platform(workdir / mode, *args) as platform, ray_driver(platform):
+        ready_s = time.perf_counter() - started
+        warm = replay(platform.http_url, platform.key, [TraceRequest(0.0, p, 16, 4) for p in MODELS])
+        with ReplicaPoller(sorted(split), poll_s) as poller:
+            outcomes = replay(platform.http_url, platform.key, requests)
+            time.sleep(poll_s)
+        log_tail = platform.output[-40:]
+    return {"mode": mode, "args": args, "ready_s": ready_s, "warm_errors": [o.error for o in warm if o.error],
+            "outcomes": [asdict(o) | {"aborted": o.aborted} for o in outcomes],
+            "replicas": [{"t": t, **c} for t, c in poller.samples], "log_tail": log_tail}
+
+
+# --- figures ------------------------------------------------------------------------------------------------------
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def measured_figures(run: dict, config: PlatformConfig) -> dict[str, dict]:
+    out = {}
+    for pool in MODELS:
+        mine = [o for o in run["outcomes"] if o["pool"] == pool]
+        ok = [o for o in mine if o["error"] is None and not o["aborted"]]
+        slo = config.pools[pool]
+        met = [o for o in ok if o["ttft_s"] <= slo.ttft_slo_ms / 1e3 and (o["tpot_s"] or 0.0) <= slo.tpot_slo_ms / 1e3]
+        ttft = [o["ttft_s"] for o in ok]
+        tpot = [o["tpot_s"] for o in ok if o["tpot_s"] is not None]
+        out[pool] = {"requests": len(mine), "failed": sum(o["error"] is not None for o in mine),
+                     "aborted": sum(o["aborted"] for o in mine), "slo_attainment": len(met) / len(mine) if mine else 1.0,
+                     "ttft_p50_s": _pct(ttft, 50), "ttft_p95_s": _pct(ttft, 95),
+                     "tpot_p50_s": _pct(tpot, 50), "tpot_p95_s": _pct(tpot, 95)}
+    return out
+
+
+def predicted_figures(res: SimResult) -> dict[str, dict]:
+    return {pool: {"requests": r.requests, "failed": r.dropped_requests, "aborted": r.aborted_streams,
+                   "slo_attainment": r.slo_attainment, "ttft_p50_s": r.ttft_s["p50"], "ttft_p95_s": r.ttft_s["p95"],
+                   "tpot_p50_s": r.tpot_s["p50"], "tpot_p95_s": r.tpot_s["p95"]}
+            for pool, r in res.pools.items()}
+
+
+def highspeed_total(counts: dict[str, int]) -> int:
+    return sum(n for name, n in counts.items() if name.endswith("-highspeed"))
+
+
+def surge_timing(samples: list[dict], shape: SurgeShape) -> dict:
+    """From the replica timeline: highspeed's replicas before the surge, the seconds from the surge's start
+    to the first sample above that, and from its end to the first sample back at it (None: never)."""
+    before = [highspeed_total(s) for s in samples if s["t"] <= shape.surge_start_s]
+    if not before:
+        return {"before": None, "moved_after_s": None, "back_after_s": None, "peak": None}
+    base = before[-1]
+    moved = next((s["t"] - shape.surge_start_s for s in samples
+                  if s["t"] > shape.surge_start_s and highspeed_total(s) > base), None)
+    back = next((s["t"] - shape.surge_end_s for s in samples
+                 if s["t"] > shape.surge_end_s and highspeed_total(s) <= base), None)
+    peak = max((highspeed_total(s) for s in samples), default=None)
+    return {"before": base, "moved_after_s": moved, "back_after_s": back, "peak": peak}
+
+
+def sim_samples(res: SimResult) -> list[dict]:
+    tl = res.timeline
+    names = [k.split(":", 1)[1] for k in tl if k.startswith("replicas:")]
+    return [{"t": t, **{n: tl[f"replicas:{n}"][i] for n in names}} for i, t in enumerate(tl["t"])]
+
+
+def compare(pred: dict[str, dict], meas: dict[str, dict]) -> list[dict]:
+    rows = []
+    for pool in MODELS:
+        for key in ("ttft_p50_s", "ttft_p95_s", "tpot_p50_s", "tpot_p95_s"):
+            p, m = pred[pool][key], meas[pool][key]
+            ratio = p / m if p is not None and m else None
+            rows.append({"pool": pool, "figure": key, "predicted": p, "measured": m, "ratio": ratio,
+                         "within": ratio is not None and abs(ratio - 1.0) <= TOLERANCE})
+    return rows
+
+
+def plot(path: Path, requests: list[TraceRequest], shape: SurgeShape, runs: dict, sims: dict, comparisons: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.6))
+    ax = axes[0]
+    bins = np.arange(0, shape.duration_s + 5, 5)
+    for pool in MODELS:
+        ax.hist([r.arrival_s for r in requests if r.pool == pool], bins=bins, histtype="step", label=pool,
+                weights=np.full(sum(r.pool == pool for r in requests), 1 / 5))
+    ax.set(title="load (arrivals / s, 5 s bins)", xlabel="seconds")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    for mode, style in (("autoscale", "-"), ("static", ":")):
+        if mode not in runs:
+            continue
+        samples = runs[mode]["replicas"]
+        ts = [s["t"] for s in samples]
+        for pool, color in (("highspeed", "tab:red"), ("standard", "tab:blue")):
+            ax.step(ts, [sum(n for k, n in s.items() if k.endswith(f"-{pool}")) for s in samples], style, where="post",
+                    color=color, label=f"{pool} measured ({mode})")
+    if "autoscale" in sims:
+        samples = sim_samples(sims["autoscale"])
+        ax.step([s["t"] for s in samples], [highspeed_total(s) for s in samples], "--", where="post", color="tab:orange",
+                label="highspeed predicted (autoscale)")
+    for x in (shape.surge_start_s, shape.surge_end_s):
+        ax.axvline(x, color="k", lw=0.6)
+    ax.set(title="serving replicas (prefill + decode per pool)", xlabel="seconds")
+    ax.legend(fontsize=7)
+    ax = axes[2]
+    labels, pred, meas = [], [], []
+    for mode, rows in comparisons.items():
+        for row in rows:
+            if row["predicted"] is not None and row["measured"] is not None:
+                labels.append(f"{mode[:4]} {row['pool'][:3]} {row['figure'].replace('_s', '')}")
+                pred.append(row["predicted"])
+                meas.append(row["measured"])
+    x = np.arange(len(labels))
+    ax.bar(x - 0.2, pred, 0.4, label="predicted")
+    ax.bar(x + 0.2, meas, 0.4, label="measured")
+    ax.set_yscale("log")
+    ax.set_xticks(x, labels, rotation=70, fontsize=7)
+    ax.set(title="predicted vs measured (seconds)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return str(v)
+
+
+def table(rows: list[dict], columns: list[str]) -> list[str]:
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns),
+            *["| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |" for r in rows]]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--budget", type=int, default=6, help="engine replicas (default 6)")
+    ap.add_argument("--profile", default=None, help="profile JSON to use (default: measure one now)")
+    ap.add_argument("--modes", default="static,autoscale", help="live runs, comma-separated (static, autoscale)")
+    ap.add_argument("--predict-only", action="store_true", help="the simulator's side only (no platform)")
+    ap.add_argument("--poll-s", type=float, default=2.0, help="seconds between replica samples")
+    ap.add_argument("--out", default=str(RESULTS_DIR), help="directory for autoscale_live.{json,md,png}")
+    args = ap.parse_args()
+    shape, config = SurgeShape(), PlatformConfig()
+    requests = surge_trace(shape)
+    with tempfile.TemporaryDirectory(prefix="autoscale_live_") as tmp:
+        work = Path(tmp)
+        profile = load_profile(args.profile or measure_profile(work / "profile.json"))
+        profile_data = json.loads(Path(profile.source).read_text())
+        split = static_split(requests, profile, config, args.budget)
+        interval = config.autoscale.interval_s
+        sims = {"static": predict(requests, StaticPolicy(split), profile, config, args.budget, interval, split,
+                                  "static"),
+                "autoscale": predict(requests, DeltaservePolicy(live_params(shape)), profile, config, args.budget,
+                                     interval, split, "autoscale")}
+        runs = {}
+        if not args.predict_only:
+            for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
+                print(f"autoscale_live: live run {mode}", file=sys.stderr, flush=True)
+                runs[mode] = run_live(mode, requests, split, args.budget, args.poll_s, work)
+    predicted = {m: predicted_figures(r) for m, r in sims.items()}
+    measured = {m: measured_figures(r, config) for m, r in runs.items()}
+    comparisons = {m: compare(predicted[m], measured[m]) for m in measured}
+    timing = {m: surge_timing(r["replicas"], shape) for m, r in runs.items()}
+    timing_pred = {m: surge_timing(sim_samples(r), shape) for m, r in sims.items()}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"command": COMMAND, "shape": asdict(shape), "budget": args.budget, "static_split": split,
+              "live_params": asdict(live_params(shape)), "profile": profile_data, "requests": len(requests),
+              "predicted": predicted, "measured": measured, "comparisons": comparisons, "surge_timing": timing,
+              "surge_timing_predicted": timing_pred, "runs": runs,
+              "predicted_replicas": {m: sim_samples(r) for m, r in sims.items()}}
+    (out / "autoscale_live.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+    plot(out / "autoscale_live.png", requests, shape, runs, sims, comparisons)
+    (out / "autoscale_live.md").write_text(report(record, config) + "\n")
+    print((out / "autoscale_live.md").read_text())
+    return 0
+
+
+def report(rec: dict, config: PlatformConfig) -> str:
+    shape = SurgeShape(**rec["shape"])
+    lines = ["# The simulator vs the live platform: a highspeed surge", "",
+             f"`{rec['command']}`", "",
+             (f"Trace ({rec['requests']} requests, seed {shape.seed}): standard {shape.standard_rate:g} req/s "
+              f"({shape.standard_prompt} prompt / {shape.standard_output} output tokens) for {shape.duration_s:g} s; "
+              f"highspeed {shape.highspeed_rate:g} req/s ({shape.highspeed_prompt} / {shape.highspeed_output}), "
+              f"{shape.highspeed_surge_rate:g} req/s from {shape.surge_start_s:g} s to {shape.surge_end_s:g} s. "
+              f"Budget {rec['budget']} engine replicas; static split {rec['static_split']}. Autoscaler parameters for "
+              f"the compressed replay: {({k: v for k, v in rec['live_params'].items() if k in ('down_cooldown_s', 'sustained_tau_s')})}. "
+              f"Profile: measured on this machine (loadavg {rec['profile']['machine'].get('loadavg_1m')}, "
+              f"{rec['profile']['machine'].get('time_utc')}: prefill {rec['profile']['prefill']['coef']}, decode "
+              f"{rec['profile']['decode']['coef']}, start-up {rec['profile']['replica_startup']['seconds']:.2f} s)."),
+             ""]
+    modes = list(rec["predicted"])
+    rows = []
+    for mode in modes:
+        for pool in MODELS:
+            p = rec["predicted"][mode][pool]
+            m = rec["measured"].get(mode, {}).get(pool, {})
+            rows.append({"run": mode, "pool": pool, "attainment predicted": p["slo_attainment"],
+                         "attainment measured": m.get("slo_attainment"), "failed": m.get("failed"),
+                         "aborted": m.get("aborted"), "requests": p["requests"]})
+    lines += ["## SLO attainment, failures", "", *table(rows, list(rows[0])), ""]
+    for mode, comp in rec["comparisons"].items():
+        ok = sum(r["within"] for r in comp)
+        lines += [f"## Predicted vs measured: {mode} ({ok} of {len(comp)} within {TOLERANCE:.0%})", "",
+                  *table(comp, ["pool", "figure", "predicted", "measured", "ratio", "within"]), ""]
+    lines += ["## Replicas and the surge", ""]
+    for mode, t in rec["surge_timing"].items():
+        lines.append(f"- {mode} (measured): highspeed replicas before the surge {t['before']}, peak {t['peak']}, "
+                     f"more {_fmt(t['moved_after_s'])} s after it began (target <= {MOVE_WITHIN_S:g} s), back "
+                     f"{_fmt(t['back_after_s'])} s after it ended (target <= {BACK_WITHIN_S:g} s)")
+    for mode, t in rec["surge_timing_predicted"].items():
+        lines.append(f"- {mode} (predicted): before {t['before']}, peak {t['peak']}, more {_fmt(t['moved_after_s'])} s "
+                     f"after the start, back {_fmt(t['back_after_s'])} s after the end")
+    if "autoscale" in rec["measured"] and "static" in rec["measured"]:
+        a, s = rec["measured"]["autoscale"]["highspeed"], rec["measured"]["static"]["highspeed"]
+        lines += ["", f"Highspeed attainment, same trace, same budget: autoscale {a['slo_attainment']:.3f} vs static "
+                      f"{s['slo_attainment']:.3f}."]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())

@@ -139,6 +139,9 @@ def _ops(args: argparse.Namespace) -> int:
         backend = _backend(args)
         if args.verb == "status":
             return _status(args, backend)
+        if args.wait and args.k8s:
+            raise OpsError("--wait needs the cluster's replica counts, which the Kubernetes API does not show: "
+                           "watch `deltaserve ops status --k8s ...` (deployment states) instead")
         change = _change(args, backend)
         backend.write_config(change.config)
         print(change.message, flush=True)

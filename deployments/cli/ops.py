@@ -106,6 +106,13 @@ def _status(args: argparse.Namespace, backend) -> int:
 
     config = backend.read_config()
     app_cfg = ops.application(config, args.app)
+    if args.replicas:
+        d = backend.runtime(args.app).deployments.get(args.replicas)
+        if d is None or d.replicas is None:
+            raise OpsError(f"no replicas of {args.replicas!r} to list (unknown deployment, or a backend that cannot "
+                           "list replicas)")
+        print("\n".join(f"{args.replicas}#{r.id}" for r in d.replicas if r.state == ops.RUNNING))
+        return 0
     url = args.prometheus or backend.prometheus_url(app_cfg)
     metrics, note = None, "no Prometheus (pass --prometheus URL)"
     if url:
@@ -189,6 +196,8 @@ def add_ops_parser(sub) -> None:
     verbs = p.add_subparsers(dest="verb", required=True)
     st = verbs.add_parser("status", parents=[common], help="deployments, replicas, queues, SLO attainment, autoscaler")
     st.add_argument("--json", action="store_true")
+    st.add_argument("--replicas", metavar="DEPLOYMENT", default=None,
+                    help="only list DEPLOYMENT's running replicas, one DEPLOYMENT#ID a line (what `ops drain` takes)")
     st.add_argument("--prometheus", default=None, help="Prometheus URL for queues and SLO attainment (default: the "
                     "platform's embedded one, locally)")
     sc = verbs.add_parser("scale", parents=[common, waiting], help="set a deployment's replicas (pinned until release "

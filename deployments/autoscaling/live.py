@@ -18,12 +18,19 @@ from deployments.autoscaling.settings import STATUS_KV_KEY, STATUS_KV_NAMESPACE,
 APP_NAME = "deltaserve"
 
 
+def _client():
+    """Serve's controller client, looked up again by name: Serve caches it per driver job id, and job ids
+    repeat across clusters (a driver that moved to another cluster would keep a dead controller's handle)."""
+    from ray.serve import context
+
+    context._disconnect()
+    return context._connect()
+
+
 def running_app_config(app: str = APP_NAME) -> dict:
     """The config Serve last applied to ``app`` (a ``ServeApplicationSchema`` dict). KeyError names
     the applications that exist."""
-    from ray.serve._private.api import _get_global_client
-
-    details = _get_global_client().get_serve_details()
+    details = _client().get_serve_details()
     apps = details.get("applications", {})
     if app not in apps or not apps[app].get("deployed_app_config"):
         raise KeyError(f"no declaratively deployed application {app!r}; running: {sorted(apps)}")
@@ -32,10 +39,9 @@ def running_app_config(app: str = APP_NAME) -> dict:
 
 def apply_app_config(config: dict) -> None:
     """Apply ``config`` (one application) again; the other applications stay as they are."""
-    from ray.serve._private.api import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
-    client = _get_global_client()
+    client = _client()
     others = [a["deployed_app_config"] for name, a in client.get_serve_details().get("applications", {}).items()
               if name != config["name"] and a.get("deployed_app_config")]
     client.deploy_apps(ServeDeploySchema.parse_obj({"applications": others + [config]}))

@@ -126,6 +126,15 @@ def serve_autoscaling(config, settings: OpsSettings | None = None) -> tuple[dict
     return policy, per_deployment
 
 
+def _last_from_gcs() -> dict | None:
+    from ray.experimental import internal_kv
+
+    if not internal_kv._internal_kv_initialized():
+        return None
+    raw = internal_kv._internal_kv_get(STATUS_KV_KEY, namespace=STATUS_KV_NAMESPACE)
+    return None if raw is None else json.loads(raw)
+
+
 def _publish_to_gcs(payload: bytes) -> None:
     from ray.experimental import internal_kv
 
@@ -139,10 +148,15 @@ class ServeAutoscalingPolicy:
 
     Bad settings (a pin of an unknown deployment, outside its floor and ceiling, or a budget below the
     floors) never raise into Serve's control loop: the targets hold and every reason in the status
-    says what was rejected."""
+    says what was rejected.
+
+    Paused, the targets are those of the last published decision (``last``, the status in GCS):
+    applying new settings rebuilds the application, and Serve restarts each deployment at its
+    ``initial_replicas``, so "where they are" is what the autoscaler had decided before."""
 
     def __init__(self, spec: Mapping, settings: Mapping | None = None, *,
-                 publish: Callable[[bytes], None] = _publish_to_gcs, clock: Callable[[], float] = time.monotonic) -> None:
+                 publish: Callable[[bytes], None] = _publish_to_gcs, last: Callable[[], dict | None] = _last_from_gcs,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.spec = AutoscalerSpec.from_json(spec)
         self.policy = DeltaservePolicy()
         self.publish, self.clock = publish, clock
@@ -157,6 +171,14 @@ class ServeAutoscalingPolicy:
         except (TypeError, ValueError) as e:
             self.settings, self.budget, self.error = OpsSettings(paused=True), None, f"settings rejected: {e}"
             log.error("deltaserve autoscaler: %s; holding every target", self.error)
+        self._held: dict[str, int] = {}
+        if self.settings.paused:
+            try:
+                previous = last() or {}
+            except Exception:  # noqa: BLE001 - without it, the targets Serve has now are held
+                log.exception("deltaserve autoscaler: reading the last status failed")
+                previous = {}
+            self._held = {n: int(d["target"]) for n, d in previous.get("deployments", {}).items() if n in self._by_name}
 
     def _budget(self) -> Budget:
         total = self.settings.budget if self.settings.budget is not None else self.spec.budget
@@ -202,7 +224,7 @@ class ServeAutoscalingPolicy:
         obs = self.observe(now, contexts)
         current = {n: ctx.target_num_replicas for n, ctx in contexts.items()}
         if self.settings.paused or self.budget is None:
-            targets = {n: self.settings.pins.get(n, c) for n, c in current.items()}
+            targets = {n: self.settings.pins.get(n, self._held.get(n, c)) for n, c in current.items()}
             why = self.error or "autoscaler paused (deltaserve ops autoscaler resume)"
             reasons = {n: f"{n}: {current[n]} -> {t}: " + (f"pinned at {t}; " if n in self.settings.pins else "") + why
                        for n, t in targets.items()}

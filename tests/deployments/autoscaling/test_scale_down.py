@@ -84,9 +84,7 @@ def run_all(platform, during=None) -> list[Stream]:
 
 def decode_replicas() -> dict[str, str]:
     """decode-standard's replicas: id -> state."""
-    from ray.serve._private.api import _get_global_client
-
-    details = _get_global_client().get_serve_details()["applications"]["deltaserve"]["deployments"][DEPLOYMENT]
+    details = live._client().get_serve_details()["applications"]["deltaserve"]["deployments"][DEPLOYMENT]
     return {r["replica_id"]: r["state"] for r in details["replicas"]}
 
 

@@ -39,6 +39,7 @@ def platform(tmp_path_factory):
 def running(app: str = "deltaserve") -> dict[str, int]:
     from ray import serve
 
+    live._client()  # a fresh controller client (see live._client)
     deployments = serve.status().applications[app].deployments
     return {name: deployments[name].replica_states.get("RUNNING", 0) for name in ENGINES}
 
@@ -116,5 +117,8 @@ def test_pins_and_pause_in_a_reapplied_config_are_honoured(platform):
     paused = status_where(lambda s: s["paused"], 240, "the pause in the status")
     assert targets(paused) == targets(pinned), paused  # the pin is released, but nothing moves while paused
     assert all("autoscaler paused" in d["reason"] and not d["pinned"] for d in paused["deployments"].values()), paused
-    time.sleep(6)  # three ticks
+    # new settings rebuild the application (they are part of its code version): Serve restarts every replica,
+    # each deployment at its initial_replicas, and the paused policy restores the targets it had published
+    wait_for(lambda: running() == targets(pinned), 240, "Serve running the held targets after the rebuild")
+    time.sleep(6)  # three more ticks: nothing moves
     assert targets(live.read_status()) == targets(pinned) == running()

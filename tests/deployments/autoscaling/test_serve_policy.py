@@ -271,3 +271,18 @@ def test_the_rayservice_carries_the_autoscaler_when_the_config_turns_it_on():
             assert groups == {"cpu": (1, 1, 1)}
     off = rayservice.rayservice(rayservice.cpu_overlay(PlatformConfig()))
     assert off["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is False
+
+
+def test_a_pause_holds_the_last_published_targets_through_the_rebuild():
+    """Applying new settings rebuilds the application: Serve restarts each deployment at initial_replicas (1),
+    and the paused policy restores what it had published before."""
+    config = with_autoscale(PlatformConfig(), True, 5)
+    policy, _ = serve_autoscaling(config)
+    before = {"deployments": {"decode-standard": {"target": 2}, "decode-fast": {"target": 9}}}
+    published: list[dict] = []
+    p = ServeAutoscalingPolicy(policy["policy_kwargs"]["spec"], OpsSettings(paused=True).to_json(),
+                               publish=lambda b: published.append(json.loads(b)), last=lambda: before, clock=Clock())
+    decisions, _ = p(contexts())
+    assert decisions == dict.fromkeys(contexts(), 1) | {"id:decode-standard": 2}
+    assert published[-1]["deployments"]["decode-standard"]["reason"] == (
+        "decode-standard: 1 -> 2: autoscaler paused (deltaserve ops autoscaler resume)")

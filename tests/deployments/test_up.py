@@ -91,3 +91,27 @@ def test_deltaserve_up_serves_and_stops_on_ctrl_c(tmp_path, actor_calls):
             out.append(lines.get())
     assert rc == 0, "".join(out)
     assert any(ln.startswith("deltaserve: stopped") for ln in out), "".join(out)
+
+
+def test_autoscale_and_budget_flags_reach_the_config(tmp_path):
+    """`--autoscale [--budget N]` turns the autoscaler on in the config `up` deploys (docs/autoscaling.md);
+    a budget without it, or below the floors, is refused before anything starts."""
+    import argparse
+
+    from deployments.cli import up
+
+    parser = argparse.ArgumentParser()
+    up.add_up_parser(parser.add_subparsers())
+    common = ["up", "--tenants", str(tmp_path / "tenants.yaml"), "--no-cache", "--replicas", "decode-standard=2"]
+    config, _ = up._load_config(parser.parse_args(common))
+    assert config.autoscale.enabled is False
+    config, _ = up._load_config(parser.parse_args(common + ["--autoscale"]))
+    assert (config.autoscale.enabled, config.autoscale.budget) == (True, None)
+    app = up.serve_schema([("deltaserve", "/", config)]).applications[0]
+    assert app.autoscaling_policy["policy_kwargs"]["spec"]["budget"] == 5  # the configured counts' sum
+    config, _ = up._load_config(parser.parse_args(common + ["--autoscale", "--budget", "7"]))
+    assert (config.autoscale.enabled, config.autoscale.budget) == (True, 7)
+    for extra, message in ((["--budget", "7"], "--budget sizes the autoscaler: add --autoscale"),
+                           (["--autoscale", "--budget", "3"], "autoscale budget 3 is below the floors' sum 4")):
+        with pytest.raises(ValueError, match=message):
+            up._load_config(parser.parse_args(common + extra))

@@ -21,7 +21,7 @@ frontend resumes the request elsewhere.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
@@ -95,17 +95,35 @@ class ServeBackend:
         self.prefill_handles, self.decode_handles, self.timeouts = prefill, decode, timeouts
 
     async def prefill(self, pool: str, req: PrefillRequest) -> PrefillResult:
+        """The prefill hop as a streaming call (``Prefill.prefill_stream``): Serve's acceptance arrives as soon as
+        a replica takes the request (a unary call over gRPC is acknowledged only with its reply, so a prefill
+        longer than ``queue_s`` would read as a full queue), and the result comes back as soon as its first
+        item does, with its ``state`` a Future of the second item: the first token goes to the client while the
+        state is still on its way; :meth:`decode` awaits it."""
         t = self.timeouts[pool]
-        response = self.prefill_handles[pool].prefill.remote(req)
+        stream = self.prefill_handles[pool].options(stream=True).prefill_stream.remote(req)
         try:
-            await _assigned(response, f"prefill-{pool}", t.queue_s)
-            return await asyncio.wait_for(response, t.prefill_s)
-        except asyncio.TimeoutError:
-            response.cancel()
-            raise ReplicaFailed(f"prefill-{pool} replica did not answer within {t.prefill_s:g} s") from None
-        except asyncio.CancelledError:  # the caller's deadline, or its client went away: free the replica's slot
-            response.cancel()
+            await _assigned(stream, f"prefill-{pool}", t.queue_s)
+            result = await self._prefill_item(stream, pool, t.prefill_s)
+        except BaseException:
+            stream.cancel()  # timed out, failed, or the caller went away: free the replica's slot
             raise
+        if not result.state_follows:
+            return result  # the replica's stream has ended with its one item
+        state = asyncio.ensure_future(self._prefill_item(stream, pool, t.prefill_s))
+        state.add_done_callback(lambda f: f.cancelled() or f.exception())  # read even when decode never runs
+        return replace(result, state=state)
+
+    @staticmethod
+    async def _prefill_item(stream, pool: str, timeout_s: float):
+        """The prefill stream's next item within ``timeout_s``, a replica's failure as ReplicaFailed / HandoffLost."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await stream.__anext__()
+        except TimeoutError:
+            raise ReplicaFailed(f"prefill-{pool} replica did not answer within {timeout_s:g} s") from None
+        except StopAsyncIteration:
+            raise ReplicaFailed(f"prefill-{pool} replica ended its stream before the state (a bug)") from None
         except _REPLICA_GONE as e:
             raise ReplicaFailed(f"prefill-{pool} replica failed: {type(e).__name__}") from e
         except RayTaskError as e:
@@ -116,6 +134,12 @@ class ServeBackend:
 
     async def decode(self, pool: str, req: DecodeRequest) -> AsyncIterator[DecodeChunk]:
         t = self.timeouts[pool]
+        if isinstance(req.state, asyncio.Future):  # the state still on its way from prefill (see prefill)
+            try:
+                req = replace(req, state=await req.state)
+            except BaseException:
+                req.state.cancel()
+                raise
         stream = self.decode_handles[pool].options(stream=True).generate.remote(req)
         done = False
         try:
@@ -129,12 +153,13 @@ class ServeBackend:
                 await _assigned(stream, f"decode-{pool}", max(t.prefill_s - t.queue_s, 0.001))
             while True:
                 try:
-                    chunk = await asyncio.wait_for(stream.__anext__(), t.chunk_s)
+                    async with asyncio.timeout(t.chunk_s):  # no task per chunk, as wait_for would make
+                        chunk = await stream.__anext__()
                 except StopAsyncIteration:
                     done = True
                     return
                 yield chunk
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise ReplicaFailed(f"decode-{pool} replica sent nothing for {t.chunk_s:g} s") from None
         except _REPLICA_GONE as e:
             raise ReplicaFailed(f"decode-{pool} replica failed: {type(e).__name__}") from e

@@ -38,7 +38,9 @@ class PrefillResult:
     finished: bool  # True when the first token already ends the request (stop or max_tokens == 1)
     finish_reason: str | None
     state: Any  # SequenceState.to_bytes() after the prompt (the direct handoff): bytes, or under Serve a ray.ObjectRef
-    #             to them (deployments/workers/handoff.py) that the ingress forwards unfetched; None with handoff_key or finished
+    #             to them (deployments/workers/handoff.py) that the ingress forwards unfetched; None with handoff_key or
+    #             finished. In the ingress (ServeBackend) an asyncio.Future of those: the state follows the first token
+    #             in a second item of Prefill.prefill_stream, and the decode hop awaits it
     handoff_key: str | None  # the handoff went through the cache service under this key (state is None)
     prompt_tokens: int
     cached_tokens: int
@@ -46,13 +48,15 @@ class PrefillResult:
     prefill_s: float  # seconds spent in the prefill replica
     first_logprob: TokenLogprob | None = None  # first_token's logprob when the request asks for logprobs (else None)
     queue_s: float | None = None  # seconds the request waited in the prefill replica before its first step
+    state_follows: bool = False  # Prefill.prefill_stream: this item has no state; the next item is the state
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeRequest:
     prefill: PrefillRequest
     first_token: int  # already delivered to the client with PrefillResult.text: decode's chunks start after it
-    state: Any  # the direct handoff (PrefillResult.state: bytes or an object-store reference), or None with handoff_key
+    state: Any  # the direct handoff (PrefillResult.state: bytes or an object-store reference; in the ingress possibly
+    #             a Future of them, which ServeBackend.decode awaits before the call), or None with handoff_key
     trace: dict = field(default_factory=dict)
     handoff_key: str | None = None
 

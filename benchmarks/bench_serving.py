@@ -89,6 +89,17 @@ def prompts(n: int, salt: str = "") -> list[str]:
 
 
 
+def sized_prompts(n: int, tokens: int, salt: str = "") -> list[str]:
+    """``n`` distinct ASCII prompts of exactly ``tokens`` tokens for the byte tokenizer (k3-tiny's, tiny-k3's):
+    code lines, each prompt headed by its own number so no two share a cached prefix."""
+    body = "".join(_CODE) * (1 + tokens // len("".join(_CODE)))
+    out = []
+    for i in range(n):
+        head = f"# {salt}{i}\n"
+        out.append(head + body[: tokens - len(head)])
+    return out
+
+
 def pct(xs, q) -> float | None:
     return float(np.percentile(xs, q)) if len(xs) else None
 
@@ -292,6 +303,7 @@ def engine_run(model, tok, texts: list[str], max_tokens: int, *, max_num_seqs: i
                                  max_num_batched_tokens=max(budget, max_num_seqs)))
     text = {f"q{i}": "" for i in range(n)}
     first: set[str] = set()
+    ttft: list[float] = []  # seconds from the start to each request's first token
     w0, c0 = time.perf_counter(), time.process_time()
     for i, t in enumerate(texts):
         engine.add_request(GenerationRequest(f"q{i}", tok.encode(t), max_tokens, ignore_eos=True))
@@ -309,8 +321,9 @@ def engine_run(model, tok, texts: list[str], max_tokens: int, *, max_num_seqs: i
         tokens += got
         for o in outs:
             text[o.request_id] += o.new_text
-            if o.new_token_ids:
+            if o.new_token_ids and o.request_id not in first:
                 first.add(o.request_id)
+                ttft.append(s1 - w0)
         if decoding:
             dec_tokens += got
             dec_wall += s1 - s0
@@ -324,6 +337,7 @@ def engine_run(model, tok, texts: list[str], max_tokens: int, *, max_num_seqs: i
             tm.on = False
     return {"tokens": tokens, "wall_s": wall, "cpu_s": cpu, "tokens_per_s": tokens / wall,
             "first_tokens_s": wall - dec_wall,  # until every request has its first token (the prefill steps)
+            "ttft_p50_s": pct(ttft, 50),
             "decode_tokens_per_s": dec_tokens / dec_wall if dec_wall else None,
             "decode_tokens_per_s_cpu": dec_tokens / dec_cpu if dec_cpu else None,
             "decode_steps": dec_steps, "decode_step_ms": 1e3 * dec_wall / dec_steps if dec_steps else None,
@@ -362,6 +376,8 @@ PHASES = [("requests reach the ingress: first", "ingress", "start_ns", min),
           ("requests reach prefill: last", "prefill", "start_ns", max),
           ("prefill returns: first", "prefill", "end_ns", min),
           ("prefill returns: last", "prefill", "end_ns", max),
+          ("client has a first chunk: first", "client", "t_first", min),
+          ("client has a first chunk: last", "client", "t_first", max),
           ("handoffs reach decode: last", "decode", "start_ns", max),
           ("decode streams end: last", "decode", "end_ns", max),
           ("client has the last chunk", "client", "t_end", max)]
@@ -386,7 +402,7 @@ def wave_phases(wave: dict, spans: dict[str, list[dict]], pool: str = "standard"
     by = {"ingress": ing,
           "prefill": [x for x in spans[f"prefill-{pool}"] if x["name"] == "prefill" and x["trace_id"] in traces],
           "decode": [x for x in spans[f"decode-{pool}"] if x["name"] == "decode" and x["trace_id"] in traces],
-          "client": [{"t_end": (r["t_end"] + _EPOCH) * 1e9} for r in reqs]}
+          "client": [{"t_end": (r["t_end"] + _EPOCH) * 1e9, "t_first": (r["t_first"] + _EPOCH) * 1e9} for r in reqs]}
     if any(len(v) != len(reqs) for v in by.values()):
         return None
     return {label: (pick(x[stamp] for x in by[kind]) - t0) / 1e6 for label, kind, stamp, pick in PHASES}
@@ -704,9 +720,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=2, help="interleaved repetitions of the overhead comparison")
     ap.add_argument("--skip-http-pool", action="store_true", help="skip the HTTP expert-pool wave")
     ap.add_argument("--out-dir", type=Path, default=None)
-    ap.add_argument("--only", choices=["a", "d"], default=None,
-                    help="run one section alone: a (serving overhead; prints its numbers, writes no report) or d "
-                         "(expert pool, written to serving_expert_pool.{json,md})")
+    ap.add_argument("--only", choices=["a", "d", "e"], default=None,
+                    help="run one section alone: a or e (serving overhead, tiny-k3 / k3-tiny; prints its numbers, "
+                         "writes no report) or d (expert pool, written to serving_expert_pool.{json,md})")
     ap.add_argument("--no-cache", action="store_true", help="run the platform with the prefix / KDA-state cache off")
     ap.add_argument("--standard", action="append", default=[], metavar="FIELD=VALUE",
                     help="override a field of the standard pool's PoolConfig, e.g. --standard stream_interval_ms=0 "
@@ -748,9 +764,9 @@ def engine_batching_runs(model, tok, p32: list[str], M: int) -> tuple[list[dict]
     return b1, b32
 
 
-def start_serving(args, config, pool_config) -> float:
-    """Start Ray + Serve with ``deltaserve`` at ``/`` (and, unless ``--only a``, ``pool-mode`` at
-    ``/pool``); seconds until both serve."""
+def start_serving(args, config, pool_config, k3_config) -> float:
+    """Start Ray + Serve with ``deltaserve`` at ``/``, unless ``--only a`` ``pool-mode`` at ``/pool``, and
+    unless ``--only a`` the ``k3`` app (k3-tiny, section e) at ``/k3``; seconds until all serve."""
     from ray import serve
 
     from deployments.app import build_app
@@ -758,13 +774,14 @@ def start_serving(args, config, pool_config) -> float:
 
     print("starting Ray + Serve (deltaserve at /, pool-mode at /pool)...", flush=True)
     t0 = time.perf_counter()
-    if args.only == "a":
-        start(config)
-    elif "extra_apps" in inspect.signature(start).parameters:  # deploys both apps declaratively
-        start(config, extra_apps=[("pool-mode", "/pool", pool_config)])
+    extra = {None: [("pool-mode", "/pool", pool_config), (E_APP, E_ROUTE, k3_config)], "a": [],
+             "e": [(E_APP, E_ROUTE, k3_config)]}[args.only]
+    if "extra_apps" in inspect.signature(start).parameters:  # deploys every app declaratively
+        start(config, extra_apps=extra)
     else:
         start(config)
-        serve.run(build_app(pool_config), name="pool-mode", route_prefix="/pool")
+        for name, route, cfg in extra:
+            serve.run(build_app(cfg), name=name, route_prefix=route)
     startup_s = time.perf_counter() - t0
     print(f"serving after {startup_s:.0f} s", flush=True)
     return startup_s
@@ -773,8 +790,10 @@ def start_serving(args, config, pool_config) -> float:
 def warm_up(args, base: str, key: str, model, tok) -> None:
     """Every path once: both pools over HTTP, pool mode (unless ``--only a``), the in-process engine."""
     http_wave(base, key, [(NAME, "def f(x):\n"), (NAME + "-highspeed", "def g(y):\n")], 8)
-    if args.only != "a":
+    if args.only is None:
         http_wave(base + "/pool", key, [(NAME, "def h(z):\n")], 8)
+    if args.only in (None, "e"):
+        http_wave(base + E_ROUTE, key, [(E_MODEL, p) for p in sized_prompts(2, 1000, "warm")], 8)
     engine_run(model, tok, ["def w():\n"] * 2, 8)
 
 
@@ -854,6 +873,80 @@ def section_a(args, config, base: str, key: str, model, tok, M: int) -> dict:
             "sustained_texts_equal": f"{sum(h == e for h, e in zip(sus_http[-1]['texts'], sus_eng[-1]['texts']))}/64"}
 
 
+E_MODEL = "k3-tiny"  # section e: the platform's default model
+E_APP, E_ROUTE = "k3", "/k3"
+E_PROMPTS = (100, 1000)  # prompt tokens of e's two workloads (16 requests x 64 new tokens each)
+
+
+def section_e(args, base: str, key: str, M: int) -> dict:
+    """e: k3-tiny at 16 x 100 -> 64 and 16 x 1,000 -> 64, HTTP (the ``k3`` app) vs the in-process Engine
+    (standard pool caps), interleaved over ``--reps``: tokens/s, their ratio, TTFT p50 of both, and where the
+    HTTP waves' time goes (the platform's spans)."""
+    tok, model = load_tokenizer(E_MODEL), load_model(E_MODEL)
+    std = e_config(args, "").pools["standard"]
+    engine_run(model, tok, sized_prompts(2, 200, "ew"), 4, budget=std.max_num_batched_tokens)  # warm-up
+    out: dict = {}
+    for tokens in E_PROMPTS:
+        texts = sized_prompts(16, tokens, f"e{tokens}-")
+        waves, engines = [], []
+        for rep in range(args.reps):
+            waves.append(http_wave(base + E_ROUTE, key, [(E_MODEL, t) for t in sized_prompts(16, tokens, f"e{tokens}r{rep}-")], M))
+            engines.append(engine_run(model, tok, texts, M, budget=std.max_num_batched_tokens))
+            print(f"e {tokens} tokens [{rep}]: HTTP {waves[-1]['tokens_per_s']:.0f} tok/s, TTFT p50 "
+                  f"{pct([r['ttft'] for r in waves[-1]['requests']], 50):.2f} s; engine {engines[-1]['tokens_per_s']:.0f} "
+                  f"tok/s, TTFT p50 {engines[-1]['ttft_p50_s']:.2f} s", flush=True)
+        spans = fetch_spans(E_APP)
+        http_tps = statistics.median(w["tokens_per_s"] for w in waves)
+        eng_tps = statistics.median(w["tokens_per_s"] for w in engines)
+        out[str(tokens)] = {
+            "prompt_tokens": tokens, "http_tokens_per_s": http_tps, "engine_tokens_per_s": eng_tps,
+            "ratio": http_tps / eng_tps, "http_runs": [w["tokens_per_s"] for w in waves],
+            "engine_runs": [w["tokens_per_s"] for w in engines],
+            "http_ttft_p50_s": pct([r["ttft"] for w in waves for r in w["requests"]], 50),
+            "engine_ttft_p50_s": statistics.median(w["ttft_p50_s"] for w in engines),
+            "phases_ms": [p for w in waves if (p := wave_phases(w, spans)) is not None],
+            "engine_first_tokens_s": statistics.median(w["first_tokens_s"] for w in engines),
+            "engine_wall_s": statistics.median(w["wall_s"] for w in engines)}
+    return out
+
+
+def e_config(args, tmp: str):
+    """The ``k3`` app's config: the default PlatformConfig's model (k3-tiny) and pools (``--standard`` applied),
+    the shared tenants file, spans in memory."""
+    from deployments.config import PlatformConfig, PoolConfig
+
+    config = PlatformConfig(model=E_MODEL, tenants_file=str(Path(tmp) / "tenants.yaml"), trace_memory=True)
+    if args.standard:
+        fields = dict(item.split("=", 1) for item in args.standard)
+        std = PoolConfig.model_validate({**config.pools["standard"].model_dump(), **fields})
+        config = config.model_copy(update={"pools": {**config.pools, "standard": std}})
+    return config
+
+
+def e_rows(e: dict) -> list[dict]:
+    rows = []
+    for tokens, x in e.items():
+        rows.append({"measurement": f"e. k3-tiny 16 x {int(tokens):,} -> 64: HTTP vs in-process Engine (tokens/s)",
+                     "platform": x["http_tokens_per_s"], "in_process": x["engine_tokens_per_s"], "ratio": x["ratio"],
+                     "target": ">= 0.8", "met": x["ratio"] >= 0.8})
+        rows.append({"measurement": f"e. k3-tiny 16 x {int(tokens):,} -> 64: TTFT p50 s, HTTP vs in-process Engine",
+                     "platform": x["http_ttft_p50_s"], "in_process": x["engine_ttft_p50_s"],
+                     "ratio": x["http_ttft_p50_s"] / x["engine_ttft_p50_s"], "target": "", "met": ""})
+    return rows
+
+
+def e_lines(e: dict) -> list[str]:
+    """e's prose and per-workload phase tables (markdown)."""
+    lines = []
+    for tokens, x in e.items():
+        lines += ["", f"16 x {int(tokens):,}-token prompts -> 64 tokens: HTTP {[round(v) for v in x['http_runs']]} vs Engine "
+                  f"{[round(v) for v in x['engine_runs']]} tokens/s = **{x['ratio']:.2f}**; TTFT p50 HTTP "
+                  f"{x['http_ttft_p50_s']:.2f} s vs Engine {x['engine_ttft_p50_s']:.2f} s.", ""]
+        if x["phases_ms"]:
+            lines += phase_lines(x["phases_ms"], x["engine_first_tokens_s"], x["engine_wall_s"])
+    return lines
+
+
 def section_b(b1: list[dict], b32: list[dict], base: str, key: str, p32: list[str], M: int) -> tuple[dict, dict]:
     """b: the engine's 32-vs-1 decode ratio (runs from :func:`engine_batching_runs`), then the same
     through HTTP; returns ``(b, h32)``, the 32-stream HTTP wave being d's colocated side."""
@@ -922,6 +1015,7 @@ def report_rows(res: dict) -> list[dict]:
          "in_process": c["highspeed"]["tpot_p50_ms"], "ratio": c["standard"]["tpot_p50_ms"] / c["highspeed"]["tpot_p50_ms"],
          "target": "highspeed lower", "met": c["highspeed"]["tpot_p50_ms"] < c["standard"]["tpot_p50_ms"]},
         *expert_pool_rows(d, res.get("d_http")),
+        *e_rows(res["e"]),
     ]
     for r in rows:
         for k in ("platform", "in_process", "ratio"):
@@ -1010,6 +1104,12 @@ def report_notes(res: dict, M: int) -> str:
         *latency_lines(c),
         "",
         *expert_pool_notes(d, res.get("d_http")),
+        "",
+        f"**e.** The platform's default model, k3-tiny (trained, 9.7M parameters), on its default config (the `k3` app "
+        f"at `{E_ROUTE}`, spans in memory) at the issue's workloads: 16 concurrent streams of 100- and 1,000-token prompts x "
+        f"{M} new tokens, HTTP vs the in-process Engine (standard pool caps) on prompts of the same lengths; interleaved, "
+        "medians; TTFT from the client (HTTP) and from the Engine's start (in-process).",
+        *e_lines(res["e"]),
     ])
 
 
@@ -1064,8 +1164,13 @@ def main() -> int:
         p32 = prompts(32, "b")
         b1, b32 = engine_batching_runs(model, tok, p32, M) if args.only is None else ([], [])
         try:
-            res["startup_s"] = start_serving(args, config, pool_config)
+            res["startup_s"] = start_serving(args, config, pool_config, e_config(args, tmp))
             warm_up(args, base, key, model, tok)
+            if args.only == "e":
+                res["e"] = section_e(args, base, key, M)
+                print("\n".join(e_lines(res["e"])))
+                print(f"Reproduce: {COMMAND} --only e --reps {args.reps}")
+                return 0
             res["a"] = section_a(args, config, base, key, model, tok, M)
             if args.only == "a":
                 print_section_a(res["a"], args)
@@ -1075,6 +1180,7 @@ def main() -> int:
                 res["d_http"] = expert_pool_http(base, key, p32, M, h32)
             res["c"] = section_c(base, key, M)
             res["d"] = expert_pool_in_process(model, tok, p32, max(16, M // 2), "pool-mode", pool_config.expert_shards)
+            res["e"] = section_e(args, base, key, M)
         finally:
             serve.shutdown()
             ray.shutdown()

@@ -75,6 +75,7 @@ COMMAND = ".venv/bin/python benchmarks/bench_vs_vllm.py"
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 ENV_SCRIPT = ROOT / "scripts" / "vllm_env.sh"
 WORKER = ROOT / "benchmarks" / "vllm_worker.py"
+PEERS_DIR = ROOT / ".venv-vllm" / "peers"  # the Llamas (deterministic, seed 0), rewritten by every run
 RATIO_FLOOR = 0.8
 TARGET_PEER = "vLLM llama-active"
 DELTASERVE = "deltaserve k3-tiny"
@@ -383,7 +384,8 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="vs_vllm_") as tmp_s:
         tmp = Path(tmp_s)
-        ref, peers = build_peers(tmp / "peers")
+        # A fixed place beside the venv: vLLM's compile cache is keyed on the model path, so a rerun reuses it.
+        ref, peers = build_peers(tmp / "peers" if skipped else PEERS_DIR)
         offline_systems = {DELTASERVE: deltaserve_offline(model, tok, pool)}
         workers: list[VllmOffline] = []
         try:

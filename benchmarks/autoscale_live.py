@@ -380,7 +380,12 @@ def main() -> int:
     ap.add_argument("--predict-only", action="store_true", help="the simulator's side only (no platform)")
     ap.add_argument("--poll-s", type=float, default=2.0, help="seconds between replica samples")
     ap.add_argument("--out", default=str(RESULTS_DIR), help="directory for autoscale_live.{json,md,png}")
+    ap.add_argument("--render", default=None, metavar="JSON", help="only re-write the page from a run's JSON")
     args = ap.parse_args()
+    if args.render:
+        record = json.loads(Path(args.render).read_text())
+        (Path(args.out) / "autoscale_live.md").write_text(report(record, PlatformConfig()) + "\n")
+        return 0
     shape, config = SurgeShape(), PlatformConfig()
     requests = surge_trace(shape)
     with tempfile.TemporaryDirectory(prefix="autoscale_live_") as tmp:
@@ -415,6 +420,29 @@ def main() -> int:
     (out / "autoscale_live.md").write_text(report(record, config) + "\n")
     print((out / "autoscale_live.md").read_text())
     return 0
+
+
+def quiet_phase(rec: dict, shape: SurgeShape) -> dict[tuple[str, str], dict]:
+    """Median TTFT of the requests that arrived before the surge, per run and pool, measured and as the
+    simulator's model costs one request alone (prefill steps of the pool's token budget): where they differ
+    at light load, the per-request cost is wrong, not the queueing."""
+    prof = rec["profile"]["prefill"]["coef"]
+    config = PlatformConfig()
+    out = {}
+    for mode, run in rec["runs"].items():
+        for pool in MODELS:
+            ttft = [o["ttft_s"] for o in run["outcomes"] if o["pool"] == pool and o["error"] is None
+                    and o["arrival_s"] < shape.surge_start_s]
+            prompt = shape.highspeed_prompt if pool == "highspeed" else shape.standard_prompt
+            step = config.pools[pool].max_num_batched_tokens
+            alone = 0.0
+            while prompt > 0:
+                t = min(prompt, step)
+                alone += prof[0] + prof[1] * t + prof[2] * t * t
+                prompt -= t
+            if ttft:
+                out[(mode, pool)] = {"measured": float(np.median(ttft)), "predicted": alone}
+    return out
 
 
 def report(rec: dict, config: PlatformConfig) -> str:
@@ -453,6 +481,12 @@ def report(rec: dict, config: PlatformConfig) -> str:
     for mode, t in rec["surge_timing_predicted"].items():
         lines.append(f"- {mode} (predicted): before {t['before']}, peak {t['peak']}, more {_fmt(t['moved_after_s'])} s "
                      f"after the start, back {_fmt(t['back_after_s'])} s after the end")
+    quiet = quiet_phase(rec, shape)
+    if quiet:
+        lines += ["", f"Before the surge (0..{shape.surge_start_s:g} s, the lightest load of the run), median TTFT per "
+                      "request, measured vs predicted: " + "; ".join(
+                          f"{m} {p}: {v['measured']:.3g} s vs {v['predicted']:.3g} s ({v['measured'] / v['predicted']:.1f}x)"
+                          for (m, p), v in quiet.items() if v["predicted"])]
     if "autoscale" in rec["measured"] and "static" in rec["measured"]:
         a, s = rec["measured"]["autoscale"]["highspeed"], rec["measured"]["static"]["highspeed"]
         lines += ["", f"Highspeed attainment, same trace, same budget: autoscale {a['slo_attainment']:.3f} vs static "

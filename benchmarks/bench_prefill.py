@@ -2,6 +2,9 @@
 
 One run, torch at one thread (as the replicas run), ``ModelRunner.prefill`` (chunks of 512 tokens per sequence):
 
+Times are CPU seconds of the process (``time.process_time``), wall seconds beside: on this shared machine wall
+time also counts the waits for a core. The matmul rates are measured the same way.
+
 * the machine: fp32 matmul GFLOP/s at the model's prefill shapes (the best of them is the rate; measured at the
   start and the end of the run, the higher taken) and memory bandwidth (``bench_decode_bound.measure_bandwidth``);
 * per shape (16 x 100, 1 x 2k, 1 x 8k, 1 x 32k): the FLOPs and bytes of the prefill (counted below), the bound
@@ -71,9 +74,9 @@ def measure_matmuls(shapes, reps: int = 15) -> list[dict]:
         a @ b
         ts = []
         for _ in range(reps if m * k * n < 1 << 30 else 3):
-            t = time.perf_counter()
+            t = time.process_time()
             a @ b
-            ts.append(time.perf_counter() - t)
+            ts.append(time.process_time() - t)
         out.append({"op": f"{name} {m}x{k} @ {k}x{n}", "GFLOPs": 2 * m * k * n / statistics.median(ts) / 1e9})
     return out
 
@@ -122,21 +125,21 @@ class KindTimer:
 
     def _hook(self, kind: str, module) -> None:
         start = {}
-        module.register_forward_pre_hook(lambda *_: start.__setitem__("t", time.perf_counter()))
-        module.register_forward_hook(lambda *_: self.acc.__setitem__(kind, self.acc[kind] + time.perf_counter() - start["t"]))
+        module.register_forward_pre_hook(lambda *_: start.__setitem__("t", time.process_time()))
+        module.register_forward_hook(lambda *_: self.acc.__setitem__(kind, self.acc[kind] + time.process_time() - start["t"]))
 
 
-def prefill_time(model, n: int, L: int, fast: bool, seed: int = 0) -> float:
-    """Seconds of one ``ModelRunner.prefill`` of n random prompts of L tokens (fresh slots)."""
+def prefill_time(model, n: int, L: int, fast: bool, seed: int = 0) -> tuple[float, float]:
+    """(wall, CPU) seconds of one ``ModelRunner.prefill`` of n random prompts of L tokens (fresh slots)."""
     runner = ModelRunner(model, num_slots=n, capacity=L, prefill_chunk=CHUNK)
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, 256, (L,), generator=gen).tolist() for _ in range(n)]
     slots = [runner.allocate() for _ in range(n)]
     old, fused.PREFILL = fused.PREFILL, fast
     try:
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         runner.prefill(slots, prompts)
-        return time.perf_counter() - t
+        return time.perf_counter() - t, time.process_time() - c
     finally:
         fused.PREFILL = old
 
@@ -161,18 +164,22 @@ def main() -> None:
             prefill_time(model, n, min(L, 2 * CHUNK), True)  # warm-up (kernels built, allocator)
             c = count(model, n, L)
             ratios = {True: [], False: []}
+            walls = {True: [], False: []}
             for _ in range(reps):
                 for fast in (True, False):
                     # the rate just before each timing: the shared machine's load drifts within a run
                     rate_now = max(r["GFLOPs"] for r in measure_matmuls(mm_shapes[:-1], reps=5))
                     bound_now = max(c["flops"] / 1e9 / rate_now, c["bytes"] / 1e9 / bw["GBps"])
                     timer.acc.clear()
-                    times[fast].append(prefill_time(model, n, L, fast))
-                    ratios[fast].append(times[fast][-1] / bound_now)
+                    wall, cpu = prefill_time(model, n, L, fast)
+                    walls[fast].append(wall)
+                    times[fast].append(cpu)
+                    ratios[fast].append(cpu / bound_now)
                     if fast:
                         kinds.append(dict(timer.acc))
             rows.append({"shape": f"{n} x {L}", "n": n, "L": L, "GFLOP": c["flops"] / 1e9, "attn_GFLOP": c["attn_flops"] / 1e9,
                          "MB": c["bytes"] / 1e6, "new_s": statistics.median(times[True]), "old_s": statistics.median(times[False]),
+                         "new_wall_s": statistics.median(walls[True]), "old_wall_s": statistics.median(walls[False]),
                          "new_ratio": statistics.median(ratios[True]), "old_ratio": statistics.median(ratios[False]),
                          "kinds_s": {k: statistics.median(d[k] for d in kinds) for k in kinds[0]}, "repeats": reps})
             print(rows[-1], flush=True)
@@ -188,7 +195,7 @@ def main() -> None:
         for name, m in curve_models.items():
             prefill_time(m, 1, CHUNK, True)
             for L in plot_lengths:
-                ts = [prefill_time(m, 1, L, True) for _ in range(2 if L <= 4096 else 1)]
+                ts = [prefill_time(m, 1, L, True)[1] for _ in range(2 if L <= 4096 else 1)]
                 curve.append({"model": name, "L": L, "s": min(ts)})
                 print(curve[-1], flush=True)
 
@@ -199,12 +206,12 @@ def main() -> None:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("prompt length (tokens, one sequence)")
-        ax.set_ylabel("prefill time (s, one thread)")
+        ax.set_ylabel("prefill time (CPU s, one thread)")
         ax.set_title("Prefill time vs prompt length, same widths, fast paths")
         ax.legend()
 
-    table = [{k: r[k] for k in ("shape", "GFLOP", "attn_GFLOP", "MB", "bound_s", "new_s", "new_tok_s", "new_ratio",
-                                "old_s", "old_tok_s", "old_ratio", "speedup", "meets_target")} for r in rows]
+    table = [{k: r[k] for k in ("shape", "GFLOP", "attn_GFLOP", "MB", "bound_s", "new_s", "new_wall_s", "new_tok_s", "new_ratio",
+                                "old_s", "old_wall_s", "old_tok_s", "old_ratio", "speedup", "meets_target")} for r in rows]
     kinds = "\n".join(f"| {r['shape']} | " + " | ".join(f"{r['kinds_s'].get(k, 0):.3f}" for k in
                       ("KDA attention", "MLA attention", "MoE", "dense MLP"))
                       + f" | {r['new_s'] - sum(r['kinds_s'].values()):.3f} |" for r in rows)
@@ -215,14 +222,17 @@ def main() -> None:
         f"Machine (this run, one thread): matmul rate **{rate:.1f} GFLOP/s** (the best of the model's prefill shapes; "
         "each shape's rate is the higher of the start and end of the run), memory bandwidth "
         f"**{bw['GBps']:.1f} GB/s**. Matmuls: " + "; ".join(f"{r['op']}: {r['GFLOPs']:.1f}" for r in mm) + ".\n\n"
+        "Times are the process's CPU seconds (`time.process_time`; one torch thread), and so are the matmul rates: "
+        "this machine's 2 cores are shared with other jobs (load average 4-40 during this work), so wall time also counts "
+        "the time the process waited for a core (`*_wall_s`, shown beside); tokens/s are from CPU seconds.\n\n"
         f"`new` = the prefill fast paths (`fused.PREFILL = True`), `old` = their references (False), interleaved in one "
         f"process, medians of the repeats. ratio = time / bound with the bound from the matmul rate measured just before "
         f"that timing (the machine is shared and its load drifts within a run; median of the repeats), target <= "
         f"{RATIO_TARGET:g}; `bound_s` is the bound at the run's best rate above. The count of FLOPs and bytes "
         "is in the module docstring of `benchmarks/bench_prefill.py`.\n\n"
-        "Where the fast path's time goes (s, medians, forward hooks; 'rest' = embedding, Attention-Residual mixes and "
+        "Where the fast path's time goes (CPU s, medians, forward hooks; 'rest' = embedding, Attention-Residual mixes and "
         "norms, lm_head, runner):\n\n| shape | KDA attention | MLA attention | MoE | dense MLP | rest |\n|---|---|---|---|---|---|\n"
-        + kinds + "\n\nPrefill time (s) vs prompt length, random weights, fast paths (the plot):\n\n"
+        + kinds + "\n\nPrefill time (CPU s) vs prompt length, random weights, fast paths (the plot):\n\n"
         "| tokens | hybrid tiny-k3 | all-MLA tiny-k3-mla | all-MLA / hybrid |\n|---|---|---|---|\n" + curve_md + "\n\n"
         "Where the reference paths' time went (profiled before this work, torch.profiler and hooks): the MLA layers' "
         "masked SDPA ran torch's math kernel, materialising [H, 512, S] scores and masks per chunk (`_softmax`, "

@@ -380,6 +380,8 @@ def main() -> int:
     ap.add_argument("--predict-only", action="store_true", help="the simulator's side only (no platform)")
     ap.add_argument("--poll-s", type=float, default=2.0, help="seconds between replica samples")
     ap.add_argument("--out", default=str(RESULTS_DIR), help="directory for autoscale_live.{json,md,png}")
+    ap.add_argument("--reuse", default=None, metavar="JSON",
+                    help="take the live runs of an earlier run's JSON (same trace) for the modes not run now")
     ap.add_argument("--render", default=None, metavar="JSON", help="only re-write the page from a run's JSON")
     args = ap.parse_args()
     if args.render:
@@ -399,6 +401,11 @@ def main() -> int:
                 "autoscale": predict(requests, DeltaservePolicy(live_params(shape)), profile, config, args.budget,
                                      interval, split, "autoscale")}
         runs = {}
+        if args.reuse:
+            earlier = json.loads(Path(args.reuse).read_text())
+            if earlier["shape"] != asdict(shape):
+                raise SystemExit(f"--reuse {args.reuse}: its trace shape differs from this run's")
+            runs |= {m: r | {"reused_from": args.reuse} for m, r in earlier["runs"].items()}
         if not args.predict_only:
             for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
                 print(f"autoscale_live: live run {mode}", file=sys.stderr, flush=True)
@@ -459,6 +466,11 @@ def report(rec: dict, config: PlatformConfig) -> str:
               f"{rec['profile']['machine'].get('time_utc')}: prefill {rec['profile']['prefill']['coef']}, decode "
               f"{rec['profile']['decode']['coef']}, start-up {rec['profile']['replica_startup']['seconds']:.2f} s)."),
              ""]
+    for mode, run in rec["runs"].items():
+        lines.append(f"- live run `{mode}`: `deltaserve up {' '.join(run['args'])}`, ready after {run['ready_s']:.0f} s"
+                     + (f"; measured in an earlier run of this benchmark ({run['reused_from']}), same trace and profile"
+                        if run.get("reused_from") else ""))
+    lines.append("")
     modes = list(rec["predicted"])
     rows = []
     for mode in modes:

@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
 import random
 import subprocess
 import sys
@@ -45,17 +44,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import httpx  # noqa: E402
-import numpy as np  # noqa: E402
+import httpx
+import numpy as np
 
-from benchmarks.bench_serving import _stream, sized_prompts  # noqa: E402
-from benchmarks.report import RESULTS_DIR  # noqa: E402
-from deployments.autoscaling.policy import DeltaservePolicy, DeltaserveParams, StaticPolicy, proportional_split  # noqa: E402
-from deployments.autoscaling.profile import Profile, load_profile  # noqa: E402
-from deployments.autoscaling.signals import Budget  # noqa: E402
-from deployments.autoscaling.simulator import SimResult, SimSettings, Simulator, offered_load  # noqa: E402
-from deployments.autoscaling.traces import TraceRequest  # noqa: E402
-from deployments.config import PlatformConfig  # noqa: E402
+from benchmarks.bench_serving import _stream, sized_prompts
+from benchmarks.report import RESULTS_DIR
+from deployments.autoscaling.policy import (
+    DeltaserveParams,
+    DeltaservePolicy,
+    StaticPolicy,
+    proportional_split,
+)
+from deployments.autoscaling.profile import Profile, load_profile
+from deployments.autoscaling.signals import Budget
+from deployments.autoscaling.simulator import (
+    SimResult,
+    SimSettings,
+    Simulator,
+    offered_load,
+)
+from deployments.autoscaling.traces import TraceRequest
+from deployments.config import PlatformConfig
 
 COMMAND = "/tmp/with-platform-slot .venv/bin/python benchmarks/autoscale_live.py"
 MODELS = {"standard": "k3-tiny", "highspeed": "k3-tiny-highspeed"}
@@ -209,7 +218,7 @@ class ReplicaPoller:
                 print(f"autoscale_live: serve.status() failed: {e}", file=sys.stderr)
             self._stop.wait(self.period_s)
 
-    def __enter__(self) -> ReplicaPoller:
+    def __enter__(self) -> ReplicaPoller:  # noqa: PYI034 - a plain class, not subclassed
         self.t0 = time.perf_counter() + 1.0  # the replay's t0 (it starts 1 s after it is built)
         self._thread.start()
         return self
@@ -501,8 +510,8 @@ def report(rec: dict, config: PlatformConfig) -> str:
                           for (m, p), v in quiet.items() if v["predicted"])]
     if "autoscale" in rec["measured"] and "static" in rec["measured"]:
         a, s = rec["measured"]["autoscale"]["highspeed"], rec["measured"]["static"]["highspeed"]
-        lines += ["", f"Highspeed attainment, same trace, same budget: autoscale {a['slo_attainment']:.3f} vs static "
-                      f"{s['slo_attainment']:.3f}."]
+        lines += ["", (f"Highspeed attainment, same trace, same budget: autoscale {a['slo_attainment']:.3f} vs static "
+                       f"{s['slo_attainment']:.3f}.")]
     return "\n".join(lines)
 
 

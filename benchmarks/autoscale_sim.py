@@ -33,9 +33,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.report import RESULTS_DIR, write_report
+from deployments.autoscaling.policy import StaticPolicy
 from deployments.autoscaling.profile import load_profile
 from deployments.autoscaling.signals import Budget
-from deployments.autoscaling.policy import StaticPolicy
 from deployments.autoscaling.simulator import (
     POLICIES,
     SimResult,

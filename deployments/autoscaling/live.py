@@ -13,7 +13,11 @@ from __future__ import annotations
 import copy
 import json
 
-from deployments.autoscaling.settings import STATUS_KV_KEY, STATUS_KV_NAMESPACE, OpsSettings
+from deployments.autoscaling.settings import (
+    STATUS_KV_KEY,
+    STATUS_KV_NAMESPACE,
+    OpsSettings,
+)
 
 APP_NAME = "deltaserve"
 

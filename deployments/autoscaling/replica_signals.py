@@ -127,7 +127,7 @@ def deployment_signal(name: str, *, pool: str | None, kind: Kind, replicas: int,
     ``queued_in_callers``: requests waiting in the callers' Serve handles for a free replica (Serve's
     ``total_queued_requests``), counted as waiting."""
     rs = _latest(reports)
-    total = lambda key: sum(r[key] for r in rs)  # noqa: E731
+    total = lambda key: sum(r[key] for r in rs)
     arrival_rate = sum(r["arrivals"] / r["span_s"] for r in rs)
     busy = [min(1.0, r["busy_s"] / r["span_s"]) for r in rs]
     ttfts = [r["ttft_p95_s"] for r in rs if r["ttft_count"] > 0]

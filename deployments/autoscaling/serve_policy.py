@@ -29,7 +29,11 @@ from dataclasses import asdict, dataclass, field
 
 from deployments.autoscaling.policy import DeltaservePolicy
 from deployments.autoscaling.replica_signals import REPORT_WINDOW_S, deployment_signal
-from deployments.autoscaling.settings import STATUS_KV_KEY, STATUS_KV_NAMESPACE, OpsSettings
+from deployments.autoscaling.settings import (
+    STATUS_KV_KEY,
+    STATUS_KV_NAMESPACE,
+    OpsSettings,
+)
 from deployments.autoscaling.signals import Budget, Decision, Observation, Slo
 
 POLICY_IMPORT_PATH = "deployments.autoscaling.serve_policy:ServeAutoscalingPolicy"
@@ -68,7 +72,7 @@ class AutoscalerSpec:
                              f"({({d.name: d.floor for d in self.deployments})})")
 
     @classmethod
-    def from_platform(cls, config) -> "AutoscalerSpec":
+    def from_platform(cls, config) -> AutoscalerSpec:
         """From a :class:`~deployments.config.PlatformConfig`: every prefill, decode and expert-pool
         deployment with its floor (default 1) and ceiling (default: what the budget leaves after the
         others' floors); the budget defaults to the configured replica counts' sum. ValueError names a
@@ -102,7 +106,7 @@ class AutoscalerSpec:
                 "deployments": [asdict(d) for d in self.deployments], "slo": {p: list(v) for p, v in self.slo.items()}}
 
     @classmethod
-    def from_json(cls, data: Mapping) -> "AutoscalerSpec":
+    def from_json(cls, data: Mapping) -> AutoscalerSpec:
         return cls(float(data["budget"]), float(data["interval_s"]),
                    tuple(DeploymentSpec(**d) for d in data["deployments"]),
                    {p: (float(v[0]), float(v[1])) for p, v in data["slo"].items()})
@@ -175,7 +179,7 @@ class ServeAutoscalingPolicy:
         if self.settings.paused:
             try:
                 previous = last() or {}
-            except Exception:  # noqa: BLE001 - without it, the targets Serve has now are held
+            except Exception:
                 log.exception("deltaserve autoscaler: reading the last status failed")
                 previous = {}
             self._held = {n: int(d["target"]) for n, d in previous.get("deployments", {}).items() if n in self._by_name}
@@ -201,7 +205,7 @@ class ServeAutoscalingPolicy:
         targets, status = self.tick(now, {name: ctx for name, (_, ctx) in ours.items()})
         try:
             self.publish(json.dumps(status, sort_keys=True).encode())
-        except Exception:  # noqa: BLE001 - a status write must never stop the scaling
+        except Exception:
             log.exception("deltaserve autoscaler: publishing the status failed")
         return {ours[name][0]: n for name, n in targets.items()}, {}
 

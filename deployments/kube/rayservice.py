@@ -149,10 +149,8 @@ def gpu_overlay(config: PlatformConfig) -> Overlay:
 
 def serve_config(overlay: Overlay) -> dict:
     """The Serve config (``serveConfigV2``) of ``overlay``: what ``serve deploy`` takes."""
-    from deployments.cli.up import GRPC_SERVICER
+    from deployments.cli.up import GRPC_SERVICER, app_schema
     from deployments.workers.handoff import GRPC_LIMIT_ENV, grpc_message_limit
-
-    from deployments.cli.up import app_schema
 
     config = overlay.config
     app = app_schema(APP_NAME, "/", config)
@@ -256,7 +254,7 @@ def _group_bounds(overlay: Overlay, group: WorkerGroup) -> tuple[int, int]:
     sized = {d.name: d for d in AutoscalerSpec.from_platform(overlay.config).deployments}
     if not set(group.deployments) <= set(sized):  # the frontend group: ingress and cache-admin stay fixed
         return group.replicas, group.replicas
-    pods = lambda n: -(-n // group.slots)  # noqa: E731
+    pods = lambda n: -(-n // group.slots)
     return (pods(sum(sized[d].floor for d in group.deployments)),
             max(group.replicas, pods(sum(sized[d].ceiling for d in group.deployments))))
 

@@ -26,9 +26,8 @@ DEPLOYMENT = "decode-standard"
 
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory):
-    with start_platform(tmp_path_factory.mktemp("scale_down"), "--replicas", f"{DEPLOYMENT}=3") as p:
-        with ray_driver(p):
-            yield p
+    with start_platform(tmp_path_factory.mktemp("scale_down"), "--replicas", f"{DEPLOYMENT}=3") as p, ray_driver(p):
+        yield p
 
 
 @dataclass

@@ -31,9 +31,8 @@ def platform(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("autoscale")
     config = workdir / "platform.yaml"
     config.write_text(yaml.safe_dump({"pools": {"standard": POOL, "highspeed": POOL}, "autoscale": {"interval_s": 2}}))
-    with start_platform(workdir, "--config", str(config), "--autoscale", "--budget", str(BUDGET)) as p:
-        with ray_driver(p):
-            yield p
+    with start_platform(workdir, "--config", str(config), "--autoscale", "--budget", str(BUDGET)) as p, ray_driver(p):
+        yield p
 
 
 def running(app: str = "deltaserve") -> dict[str, int]:

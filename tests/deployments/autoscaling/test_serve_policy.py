@@ -9,8 +9,18 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from deployments.autoscaling.replica_signals import KEYS, NO_SAMPLE, ReplicaSignals, deployment_signal, p95
-from deployments.autoscaling.serve_policy import AutoscalerSpec, ServeAutoscalingPolicy, serve_autoscaling
+from deployments.autoscaling.replica_signals import (
+    KEYS,
+    NO_SAMPLE,
+    ReplicaSignals,
+    deployment_signal,
+    p95,
+)
+from deployments.autoscaling.serve_policy import (
+    AutoscalerSpec,
+    ServeAutoscalingPolicy,
+    serve_autoscaling,
+)
 from deployments.autoscaling.settings import OpsSettings
 from deployments.cli.up import serve_schema, with_autoscale
 from deployments.config import PlatformConfig

@@ -285,15 +285,17 @@ def highspeed_total(counts: dict[str, int]) -> int:
 
 def surge_timing(samples: list[dict], shape: SurgeShape) -> dict:
     """From the replica timeline: highspeed's replicas before the surge, the seconds from the surge's start
-    to the first sample above that, and from its end to the first sample back at it (None: never)."""
+    to the first sample above that, and from its end to the first sample back at it after that (None: never)."""
     before = [highspeed_total(s) for s in samples if s["t"] <= shape.surge_start_s]
     if not before:
         return {"before": None, "moved_after_s": None, "back_after_s": None, "peak": None}
     base = before[-1]
     moved = next((s["t"] - shape.surge_start_s for s in samples
                   if s["t"] > shape.surge_start_s and highspeed_total(s) > base), None)
-    back = next((s["t"] - shape.surge_end_s for s in samples
-                 if s["t"] > shape.surge_end_s and highspeed_total(s) <= base), None)
+    moved_at = shape.surge_start_s + moved if moved is not None else None
+    back = None if moved_at is None else next(  # back only counts once it has moved
+        (s["t"] - shape.surge_end_s for s in samples
+         if s["t"] > max(shape.surge_end_s, moved_at) and highspeed_total(s) <= base), None)
     peak = max((highspeed_total(s) for s in samples), default=None)
     return {"before": base, "moved_after_s": moved, "back_after_s": back, "peak": peak}
 

@@ -46,7 +46,6 @@ import asyncio
 import contextlib
 import json
 import os
-import secrets
 import signal
 import statistics
 import subprocess
@@ -68,6 +67,7 @@ from benchmarks.peer_models import REFERENCE, build_peers  # noqa: E402
 from benchmarks.report import write_report  # noqa: E402
 from cache_service import find_free_port  # noqa: E402
 from deployments.config import PlatformConfig  # noqa: E402
+from deployments.tenancy import TenantRegistry  # noqa: E402
 from model import load_model, load_tokenizer  # noqa: E402
 from tests.deployments.up_process import deltaserve_up  # noqa: E402
 
@@ -380,7 +380,6 @@ def main() -> int:
     pool = PlatformConfig().pools["standard"]
     text = corpus()
     salts = round_salts(args.rounds)
-    key = "ds-bench-vllm-" + secrets.token_hex(12)
 
     with tempfile.TemporaryDirectory(prefix="vs_vllm_") as tmp_s:
         tmp = Path(tmp_s)
@@ -401,6 +400,10 @@ def main() -> int:
                 wk.close()
         vllm_version = workers[0].ready["vllm"] if workers else None
 
+        # A tenant whose rate limits the run never reaches (the dev tenant admits 60 requests a minute).
+        reg = TenantRegistry()
+        _, key = reg.add("bench", pools=["standard"], rpm=1_000_000, tpm=1_000_000_000, max_context=8192)
+        reg.save(tmp / "tenants.yaml")
         up_args = ["--tenants", str(tmp / "tenants.yaml")]
         if args.threads != 1:
             (tmp / "config.yaml").write_text(f"torch_threads: {args.threads}\n")
@@ -414,7 +417,7 @@ def main() -> int:
                     base = stack.enter_context(vllm_server(path, shape.name, args.threads, tmp / f"server-{kind}.log"))
                     servers[f"vLLM {shape.name}"] = (base, shape.name)
             print("starting deltaserve up ...", flush=True)
-            up = stack.enter_context(deltaserve_up(up_args, env={"DELTASERVE_API_KEY": key}))
+            up = stack.enter_context(deltaserve_up(up_args))
             servers = {DELTASERVE: (f"http://127.0.0.1:{up.http_port}", REFERENCE)} | servers
             http = http_phase(servers, key, text, salts)
 

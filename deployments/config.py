@@ -140,6 +140,17 @@ class AutoscaleConfig(_Strict):
     interval_s: float = Field(5.0, gt=0, description="seconds between two policy ticks")
     floors: dict[str, int] = Field(default_factory=dict, description="deployment -> fewest replicas (default 1)")
     ceilings: dict[str, int] = Field(default_factory=dict, description="deployment -> most replicas (default: none)")
+    policy: dict[str, float | bool | list[str]] = Field(default_factory=dict, description="overrides of the policy's "
+                                                         "thresholds (DeltaserveParams, docs/autoscaling.md), e.g. "
+                                                         "{down_cooldown_s: 60} for a time-compressed replay")
+
+    @field_validator("policy")
+    @classmethod
+    def _policy_params(cls, policy: dict) -> dict:
+        from deployments.autoscaling.policy import params_from_json
+
+        params_from_json(policy)  # raises naming an unknown or bad threshold
+        return policy
 
 
 class AffinityConfig(_Strict):

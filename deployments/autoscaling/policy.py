@@ -152,6 +152,19 @@ class DeltaserveParams:
             raise ValueError(f"DeltaserveParams: prefill_tokens_per_s must be > 0, got {self.prefill_tokens_per_s}")
 
 
+def params_from_json(overrides: dict) -> DeltaserveParams:
+    """:class:`DeltaserveParams` with ``overrides`` (names -> values, as in ``autoscale.policy`` of the
+    platform config); ValueError names an unknown threshold or a bad value."""
+    known = set(DeltaserveParams.__dataclass_fields__)
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"unknown autoscale policy threshold {unknown[0]!r}; known: {sorted(known)}")
+    values = dict(overrides)
+    if "priority" in values:
+        values["priority"] = tuple(values["priority"])
+    return DeltaserveParams(**values)
+
+
 @dataclass(slots=True)
 class _Holt:
     """Holt's linear trend on a deployment's arrival rate (requests/s)."""

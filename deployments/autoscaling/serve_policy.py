@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 
-from deployments.autoscaling.policy import DeltaservePolicy
+from deployments.autoscaling.policy import DeltaservePolicy, params_from_json
 from deployments.autoscaling.replica_signals import REPORT_WINDOW_S, deployment_signal
 from deployments.autoscaling.settings import (
     STATUS_KV_KEY,
@@ -62,6 +62,7 @@ class AutoscalerSpec:
     interval_s: float                                  # seconds between two ticks
     deployments: tuple[DeploymentSpec, ...]
     slo: dict[str, tuple[float, float]] = field(default_factory=dict)  # pool -> (ttft_s, tpot_s)
+    params: dict = field(default_factory=dict)          # DeltaserveParams overrides (autoscale.policy)
 
     def __post_init__(self) -> None:
         if not (self.budget > 0 and self.interval_s > 0):
@@ -99,17 +100,19 @@ class AutoscalerSpec:
             specs.append(DeploymentSpec(name, "expert" if pool is None else kind, pool, cap, floors[name], ceiling,
                                         min(max(count, floors[name]), ceiling)))
         return cls(budget, auto.interval_s, tuple(specs),
-                   {p: (pc.ttft_slo_ms / 1e3, pc.tpot_slo_ms / 1e3) for p, pc in config.pools.items()})
+                   {p: (pc.ttft_slo_ms / 1e3, pc.tpot_slo_ms / 1e3) for p, pc in config.pools.items()},
+                   dict(auto.policy))
 
     def to_json(self) -> dict:
         return {"budget": self.budget, "interval_s": self.interval_s,
-                "deployments": [asdict(d) for d in self.deployments], "slo": {p: list(v) for p, v in self.slo.items()}}
+                "deployments": [asdict(d) for d in self.deployments], "slo": {p: list(v) for p, v in self.slo.items()},
+                "params": dict(self.params)}
 
     @classmethod
     def from_json(cls, data: Mapping) -> AutoscalerSpec:
         return cls(float(data["budget"]), float(data["interval_s"]),
                    tuple(DeploymentSpec(**d) for d in data["deployments"]),
-                   {p: (float(v[0]), float(v[1])) for p, v in data["slo"].items()})
+                   {p: (float(v[0]), float(v[1])) for p, v in data["slo"].items()}, dict(data.get("params") or {}))
 
 
 def serve_autoscaling(config, settings: OpsSettings | None = None) -> tuple[dict, dict[str, dict]]:
@@ -162,7 +165,7 @@ class ServeAutoscalingPolicy:
                  publish: Callable[[bytes], None] = _publish_to_gcs, last: Callable[[], dict | None] = _last_from_gcs,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.spec = AutoscalerSpec.from_json(spec)
-        self.policy = DeltaservePolicy()
+        self.policy = DeltaservePolicy(params_from_json(self.spec.params))
         self.publish, self.clock = publish, clock
         self._by_name = {d.name: d for d in self.spec.deployments}
         self._last_tick: float | None = None

@@ -296,3 +296,17 @@ def test_a_pause_holds_the_last_published_targets_through_the_rebuild():
     assert decisions == dict.fromkeys(contexts(), 1) | {"id:decode-standard": 2}
     assert published[-1]["deployments"]["decode-standard"]["reason"] == (
         "decode-standard: 1 -> 2: autoscaler paused (deltaserve ops autoscaler resume)")
+
+
+def test_policy_thresholds_from_the_platform_config_reach_the_policy_serve_builds():
+
+    config = PlatformConfig.model_validate({"autoscale": {"enabled": True, "budget": 6,
+                                                          "policy": {"down_cooldown_s": 60, "priority": ["highspeed", "standard"]}}})
+    spec = AutoscalerSpec.from_platform(config).to_json()
+    assert spec["params"] == {"down_cooldown_s": 60.0, "priority": ["highspeed", "standard"]}
+    built = ServeAutoscalingPolicy(spec, publish=lambda _: None, last=lambda: None)
+    assert (built.policy.params.down_cooldown_s, built.policy.params.priority) == (60.0, ("highspeed", "standard"))
+    with pytest.raises(ValueError, match="unknown autoscale policy threshold 'down_cooldwn_s'"):
+        PlatformConfig.model_validate({"autoscale": {"policy": {"down_cooldwn_s": 60}}})
+    with pytest.raises(ValueError, match="down_band"):
+        PlatformConfig.model_validate({"autoscale": {"policy": {"down_band": 7}}})

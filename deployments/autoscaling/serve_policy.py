@@ -30,9 +30,11 @@ from dataclasses import asdict, dataclass, field
 from deployments.autoscaling.policy import DeltaservePolicy, params_from_json
 from deployments.autoscaling.replica_signals import REPORT_WINDOW_S, deployment_signal
 from deployments.autoscaling.settings import (
+    SETTINGS_KV_KEY,
     STATUS_KV_KEY,
     STATUS_KV_NAMESPACE,
     OpsSettings,
+    read_override,
 )
 from deployments.autoscaling.signals import Budget, Decision, Observation, Slo
 
@@ -142,6 +144,14 @@ def _last_from_gcs() -> dict | None:
     return None if raw is None else json.loads(raw)
 
 
+def _override_from_gcs() -> bytes | None:
+    from ray.experimental import internal_kv
+
+    if not internal_kv._internal_kv_initialized():
+        return None
+    return internal_kv._internal_kv_get(SETTINGS_KV_KEY, namespace=STATUS_KV_NAMESPACE)
+
+
 def _publish_to_gcs(payload: bytes) -> None:
     from ray.experimental import internal_kv
 
@@ -157,35 +167,62 @@ class ServeAutoscalingPolicy:
     floors) never raise into Serve's control loop: the targets hold and every reason in the status
     says what was rejected.
 
-    Paused, the targets are those of the last published decision (``last``, the status in GCS):
-    applying new settings rebuilds the application, and Serve restarts each deployment at its
-    ``initial_replicas``, so "where they are" is what the autoscaler had decided before."""
+    Settings: the declared ones (``settings``), or those `deltaserve ops` set over them at run time
+    (``overrides``: the :data:`~deployments.autoscaling.settings.SETTINGS_KV_KEY` value in GCS), read
+    every tick, so an ops change takes effect within one interval and restarts nothing.
+
+    Paused, the targets are those of the last published decision (``last``, the status in GCS): a
+    config applied with new declared settings rebuilds the application, and Serve restarts each
+    deployment at its ``initial_replicas``, so "where they are" is what the autoscaler had decided before."""
 
     def __init__(self, spec: Mapping, settings: Mapping | None = None, *,
                  publish: Callable[[bytes], None] = _publish_to_gcs, last: Callable[[], dict | None] = _last_from_gcs,
+                 overrides: Callable[[], bytes | None] = _override_from_gcs,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.spec = AutoscalerSpec.from_json(spec)
         self.policy = DeltaservePolicy(params_from_json(self.spec.params))
-        self.publish, self.clock = publish, clock
+        self.publish, self.clock, self._overrides = publish, clock, overrides
         self._by_name = {d.name: d for d in self.spec.deployments}
         self._last_tick: float | None = None
         self.last_status: dict | None = None
-        self.error: str | None = None
+        self._declared = dict(settings or {})
+        self._effective: dict | None = None
+        self._held: dict[str, int] = {}
+        self._set_settings(self._declared, last)
+
+    def _set_settings(self, data: dict, last: Callable[[], dict | None]) -> None:
+        """Take ``data`` (OpsSettings JSON) as the settings in force; bad ones pause with the error as reason."""
+        was_paused = self._effective is not None and self.settings.paused
+        self._effective, self.error = data, None
         try:
-            self.settings = OpsSettings.from_json(dict(settings or {}))
+            self.settings = OpsSettings.from_json(data)
             self.settings.check_deployments(list(self._by_name))
             self.budget = self._budget()
         except (TypeError, ValueError) as e:
             self.settings, self.budget, self.error = OpsSettings(paused=True), None, f"settings rejected: {e}"
             log.error("deltaserve autoscaler: %s; holding every target", self.error)
-        self._held: dict[str, int] = {}
-        if self.settings.paused:
+        if self.settings.paused and not was_paused:
             try:
-                previous = last() or {}
+                previous = self.last_status or last() or {}
             except Exception:
                 log.exception("deltaserve autoscaler: reading the last status failed")
                 previous = {}
             self._held = {n: int(d["target"]) for n, d in previous.get("deployments", {}).items() if n in self._by_name}
+
+    def _refresh_settings(self) -> None:
+        """The declared settings, or the run-time ones `deltaserve ops` set over them."""
+        want = self._declared
+        try:
+            override = read_override(self._overrides(), OpsSettings.from_json(self._declared))
+            if override is not None:
+                want = override.to_json()
+        except (TypeError, ValueError) as e:
+            log.error("deltaserve autoscaler: run-time settings ignored: %s", e)
+        except Exception:
+            log.exception("deltaserve autoscaler: reading the run-time settings failed")
+            return
+        if want != self._effective:
+            self._set_settings(want, lambda: None)
 
     def _budget(self) -> Budget:
         total = self.settings.budget if self.settings.budget is not None else self.spec.budget
@@ -201,6 +238,7 @@ class ServeAutoscalingPolicy:
         if self._last_tick is not None and now - self._last_tick < self.spec.interval_s:
             return {}, {}
         self._last_tick = now
+        self._refresh_settings()
         ours = {ctx.deployment_name: (dep_id, ctx) for dep_id, ctx in contexts.items()
                 if ctx.deployment_name in self._by_name}
         if not ours:

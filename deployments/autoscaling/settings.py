@@ -24,6 +24,12 @@ from dataclasses import asdict, dataclass, field
 #:    "deployments": {name: {"current": int, "target": int, "wanted": int, "pinned": bool, "reason": str}}}``
 STATUS_KV_KEY = b"autoscaler/status"
 STATUS_KV_NAMESPACE = "deltaserve"
+#: GCS internal-KV key (same namespace) of the settings `deltaserve ops` set on a running local platform,
+#: JSON ``{"settings": OpsSettings, "over": the declared OpsSettings they override}``. The policy reads it
+#: every tick. It is not part of the Serve config, so changing it restarts nothing, whereas new
+#: ``policy_kwargs`` make Serve rebuild the application. A config applied with other declared settings
+#: since wins ("over" no longer matches).
+SETTINGS_KV_KEY = b"autoscaler/settings"
 
 
 @dataclass(frozen=True)
@@ -65,3 +71,26 @@ class OpsSettings:
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), sort_keys=True)
+
+
+def _canonical(settings: OpsSettings) -> dict:
+    return json.loads(settings.dumps())
+
+
+def override_payload(settings: OpsSettings, declared: OpsSettings) -> bytes:
+    """The :data:`SETTINGS_KV_KEY` value that sets ``settings`` over the config's ``declared`` ones."""
+    return json.dumps({"settings": _canonical(settings), "over": _canonical(declared)}, sort_keys=True).encode()
+
+
+def read_override(raw: bytes | None, declared: OpsSettings) -> OpsSettings | None:
+    """The run-time settings in a :data:`SETTINGS_KV_KEY` value, or None: none set, or set over other
+    declared settings than ``declared`` (a config applied since then wins). ValueError: a malformed value."""
+    if not raw:
+        return None
+    try:
+        data = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"autoscaler settings in GCS are not JSON: {e}") from None
+    if not isinstance(data, dict) or data.get("over") != _canonical(declared):
+        return None
+    return OpsSettings.from_json(data.get("settings"))

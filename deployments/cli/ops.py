@@ -3,7 +3,9 @@
 The verbs are edits of the platform's declared Serve config (:mod:`deployments.autoscaling.ops`).
 Locally they reach the running cluster through a Ray driver (``--address``, else ``$RAY_ADDRESS``,
 else the cluster on this machine): the config is Serve's deployed one, re-applied with the change (a
-lightweight update: no replica restarts). With ``--k8s NAMESPACE/RAYSERVICE`` they patch the
+lightweight update: no replica restarts); a change of the autoscaler's settings goes to GCS instead,
+where the policy reads it (:data:`~deployments.autoscaling.settings.SETTINGS_KV_KEY`), since new
+``policy_kwargs`` would make Serve rebuild the application. With ``--k8s NAMESPACE/RAYSERVICE`` they patch the
 RayService's ``spec.serveConfigV2`` through the Kubernetes API (:mod:`deployments.kube.client`).
 
 Exit status: 0 done, 2 a bad deployment, count, replica or a verb the platform's mode refuses (the
@@ -19,8 +21,19 @@ import sys
 import time
 
 from deployments.autoscaling import ops
-from deployments.autoscaling.ops import DeploymentView, OpsError, ReplicaView, RuntimeView
-from deployments.autoscaling.settings import STATUS_KV_KEY, STATUS_KV_NAMESPACE
+from deployments.autoscaling.ops import (
+    DeploymentView,
+    OpsError,
+    ReplicaView,
+    RuntimeView,
+)
+from deployments.autoscaling.settings import (
+    SETTINGS_KV_KEY,
+    STATUS_KV_KEY,
+    STATUS_KV_NAMESPACE,
+    override_payload,
+    read_override,
+)
 
 
 class LocalBackend:
@@ -39,7 +52,7 @@ class LocalBackend:
     def _details(self) -> dict:
         return self.client.get_serve_details()
 
-    def read_config(self) -> dict:
+    def _declared(self) -> dict:
         """Every application's declared config (all of them: applying a config replaces the set)."""
         apps = []
         for name, app in self._details().get("applications", {}).items():
@@ -50,10 +63,43 @@ class LocalBackend:
             apps.append(declared)
         return {"applications": apps}
 
+    def _override(self) -> bytes | None:
+        from ray.experimental import internal_kv
+
+        return internal_kv._internal_kv_get(SETTINGS_KV_KEY, namespace=STATUS_KV_NAMESPACE)
+
+    def read_config(self) -> dict:
+        """The declared config with the autoscaler's settings in force: those `ops` set at run time
+        (GCS, :data:`SETTINGS_KV_KEY`) over the declared ones."""
+        config = self._declared()
+        raw = self._override()
+        for app in config["applications"]:
+            declared = ops.settings_of(app)
+            override = read_override(raw, declared) if declared is not None else None
+            if override is not None:
+                app["autoscaling_policy"].setdefault("policy_kwargs", {})["settings"] = override.to_json()
+        return config
+
     def write_config(self, config: dict) -> None:
+        """Apply ``config``. A change of the autoscaler's settings goes to GCS, where the policy reads it
+        on its next tick: in the Serve config it would make Serve rebuild the application (every replica
+        replaced). The rest of a change (replica counts, a drain) is applied to Serve's config."""
+        from ray.experimental import internal_kv
         from ray.serve.schema import ServeDeploySchema
 
-        self.client.deploy_apps(ServeDeploySchema.parse_obj(config))
+        declared = {a["name"]: a for a in self._declared()["applications"]}
+        to_apply, payload = json.loads(json.dumps(config)), None
+        for app in to_apply["applications"]:
+            was, now = declared.get(app["name"]), ops.settings_of(app)
+            before = ops.settings_of(was) if was is not None else None
+            if now is None or before is None:
+                continue
+            app["autoscaling_policy"]["policy_kwargs"]["settings"] = before.to_json()
+            payload = override_payload(now, before)
+        if to_apply != {"applications": list(declared.values())}:
+            self.client.deploy_apps(ServeDeploySchema.parse_obj(to_apply))
+        if payload is not None:
+            internal_kv._internal_kv_put(SETTINGS_KV_KEY, payload, overwrite=True, namespace=STATUS_KV_NAMESPACE)
 
     def runtime(self, app: str) -> RuntimeView:
         from ray.experimental import internal_kv

@@ -21,7 +21,7 @@ from deployments.autoscaling.serve_policy import (
     ServeAutoscalingPolicy,
     serve_autoscaling,
 )
-from deployments.autoscaling.settings import OpsSettings
+from deployments.autoscaling.settings import OpsSettings, override_payload, read_override
 from deployments.cli.up import serve_schema, with_autoscale
 from deployments.config import PlatformConfig
 from deployments.engine import Engine, EngineConfig, GenerationRequest
@@ -310,3 +310,42 @@ def test_policy_thresholds_from_the_platform_config_reach_the_policy_serve_build
         PlatformConfig.model_validate({"autoscale": {"policy": {"down_cooldwn_s": 60}}})
     with pytest.raises(ValueError, match="down_band"):
         PlatformConfig.model_validate({"autoscale": {"policy": {"down_band": 7}}})
+
+
+def test_run_time_settings_from_gcs_take_effect_on_the_next_tick_over_the_declared_ones():
+    """`deltaserve ops` on a local platform writes its settings to GCS (no rebuild): the policy reads them each
+    tick, while they were set over the declared settings it was built with; a pause holds what it decided."""
+    config = with_autoscale(PlatformConfig.load({"autoscale": {"interval_s": 2}}), True, 5)
+    policy, _ = serve_autoscaling(config)
+    kv: dict[str, bytes | None] = {"value": None}
+    published: list[dict] = []
+    clock = Clock()
+    p = ServeAutoscalingPolicy(**policy["policy_kwargs"], publish=lambda b: published.append(json.loads(b)),
+                               overrides=lambda: kv["value"], clock=clock)
+    assert p(contexts())[0]["id:decode-highspeed"] == 1
+    kv["value"] = override_payload(OpsSettings(pins={"decode-highspeed": 2}), OpsSettings())
+    clock.now += 2
+    assert p(contexts())[0]["id:decode-highspeed"] == 2 and published[-1]["deployments"]["decode-highspeed"]["pinned"]
+    kv["value"] = override_payload(OpsSettings(paused=True, pins={"decode-highspeed": 2}), OpsSettings())
+    clock.now += 2
+    held = contexts({"running": 32})
+    decisions, _ = p(held)
+    assert decisions["id:decode-highspeed"] == 2 and decisions["id:decode-standard"] == 1 and published[-1]["paused"]
+    # settings set over other declared ones (a config applied since) are not the ones in force
+    kv["value"] = override_payload(OpsSettings(budget=4), OpsSettings(budget=9))
+    clock.now += 2
+    assert p(contexts())[0] and published[-1]["paused"] is False and published[-1]["budget"] == 5.0
+    # a malformed value is ignored, the declared settings stay in force
+    kv["value"] = b"{not json"
+    clock.now += 2
+    assert p(contexts())[0]["id:decode-highspeed"] == 1 and published[-1]["budget"] == 5.0
+
+
+def test_read_override_matches_the_declared_settings_it_was_set_over():
+    declared = OpsSettings(budget=6)
+    assert read_override(None, declared) is None
+    raw = override_payload(OpsSettings(budget=6, pins={"decode-standard": 2}), declared)
+    assert read_override(raw, declared) == OpsSettings(budget=6, pins={"decode-standard": 2})
+    assert read_override(raw, OpsSettings(budget=7)) is None
+    with pytest.raises(ValueError, match="not JSON"):
+        read_override(b"{", declared)

@@ -94,11 +94,15 @@ def ray_driver(platform: Platform) -> Iterator[None]:
     os.environ.update(platform.ray_env)
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
+    from ray.serve.context import _set_global_client
+
     ray.init(address=platform.gcs_address(), log_to_driver=False, logging_level="ERROR")
+    _set_global_client(None)  # a Serve client cached by an earlier driver in this process names another cluster
     try:
         yield
     finally:
         ray.shutdown()
+        _set_global_client(None)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -12,9 +12,11 @@ the next rank. Once a replica accepted, :meth:`AffinityRouter.on_request_routed`
 owner of the request's keys. Replicas Serve reports gone (dead, unhealthy, scaled away) drop out of
 the table and of the candidates, so a key never points a request at a dead replica.
 
-Each request is matched to its own routing task's choice (the base router's exact matching, not
-the FIFO mixin's "first pending request takes the replica", which would hand a session's replica to
-whichever request came first).
+A chosen replica goes to the oldest pending request (Serve's FIFO mixin, as its default router
+does). Under contention a request may therefore take a replica ranked for another one, so affinity
+is best effort there. Matching each choice to its own request is not safe: the calls one ingress
+request makes (the ``n`` choices) share Serve's request metadata, and with exact matching one of
+them was never assigned, a 503 after the queue timeout.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from __future__ import annotations
 from typing import List, Optional
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
-from ray.serve.request_router import (LocalityMixin, MultiplexMixin, PendingRequest, ReplicaID, RequestRouter,
-                                      RunningReplica)
+from ray.serve.request_router import (FIFOMixin, LocalityMixin, MultiplexMixin, PendingRequest, ReplicaID,
+                                      RequestRouter, RunningReplica)
 
 from deployments.config import PlatformConfig
 from deployments.gateway.affinity import AffinityTable, choose
@@ -52,7 +54,7 @@ def _keys(pending_request: Optional[PendingRequest]) -> tuple[str, ...]:
     return tuple(keys) if isinstance(keys, tuple) else ()
 
 
-class AffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+class AffinityRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter):
     def initialize_state(self, max_queue: int = 4, max_keys: int = 65536) -> None:
         """Serve calls this with ``request_router_kwargs`` (:func:`request_router_config`)."""
         self.max_queue = max_queue

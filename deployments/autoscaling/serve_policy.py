@@ -189,6 +189,9 @@ class ServeAutoscalingPolicy:
         self._effective: dict | None = None
         self._held: dict[str, int] = {}
         self._set_settings(self._declared, last)
+        # what run-time settings must have been set over to apply; None: the declared ones are rejected, and
+        # nothing set over them applies either
+        self._declared_settings = None if self.error else OpsSettings.from_json(self._declared)
 
     def _set_settings(self, data: dict, last: Callable[[], dict | None]) -> None:
         """Take ``data`` (OpsSettings JSON) as the settings in force; bad ones pause with the error as reason."""
@@ -211,9 +214,11 @@ class ServeAutoscalingPolicy:
 
     def _refresh_settings(self) -> None:
         """The declared settings, or the run-time ones `deltaserve ops` set over them."""
+        if self._declared_settings is None:
+            return
         want = self._declared
         try:
-            override = read_override(self._overrides(), OpsSettings.from_json(self._declared))
+            override = read_override(self._overrides(), self._declared_settings)
             if override is not None:
                 want = override.to_json()
         except (TypeError, ValueError) as e:

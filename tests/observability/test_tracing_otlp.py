@@ -533,11 +533,24 @@ def _stream(p: Platform, header: str, max_tokens: int, started: threading.Semaph
     return usage
 
 
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def _busiest(pids: list[int], window_s: float = 0.5) -> int:
+    """The process that used the most CPU over ``window_s``: the decode replica holding streams (Serve's
+    router may put all of them on one replica; killing an idle one would move nothing)."""
+    before = {pid: _cpu_ticks(pid) for pid in pids}
+    time.sleep(window_s)
+    return max(pids, key=lambda pid: _cpu_ticks(pid) - before[pid])
+
+
 def test_a_decode_replica_killed_mid_stream_gives_failover_events(traced):
-    """Six streams over two decode-standard replicas; one replica is killed (SIGKILL) once every stream
-    has its first token. The streams it held move to the other replica: their ingress span has one
+    """Six streams over two decode-standard replicas; the busier replica is killed (SIGKILL) once every
+    stream has its first token. The streams it held move to the other replica: their ingress span has one
     ``failover`` event per move, and a second prefill replays exactly the tokens delivered."""
-    p, streams, max_tokens = traced.platform, 6, 96
+    p, streams, max_tokens = traced.platform, 6, 160
     victims = _replica_pids(p)["decode-standard"]
     assert len(victims) == 2, victims
     parents = [_traceparent() for _ in range(streams)]
@@ -546,7 +559,7 @@ def test_a_decode_replica_killed_mid_stream_gives_failover_events(traced):
         futures = [ex.submit(_stream, p, header, max_tokens, started) for _, _, header in parents]
         for _ in range(streams):
             assert started.acquire(timeout=120), "a stream never started"
-        victim = victims[0]
+        victim = _busiest(victims)
         os.kill(victim, signal.SIGKILL)
         usages = [f.result(timeout=300) for f in futures]
     assert [u["completion_tokens"] for u in usages] == [max_tokens] * streams  # the client saw one whole stream each

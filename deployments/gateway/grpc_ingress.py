@@ -30,7 +30,7 @@ import grpc
 from deployments.gateway.affinity import AFFINITY_HEADER, parse_affinity_header
 from deployments.gateway.errors import BadRequest, grpc_error
 from deployments.gateway.grpc_proxy import SERVICE_NAME
-from deployments.gateway.protocol import ChatMessage, CompletionInput, Finished, TextDelta, TokenLogprobs
+from deployments.gateway.protocol import ChatMessage, CompletionInput, Finished, TextDelta, TokenLogprobs, total_usage
 from deployments.observability import tracing
 from deployments.proto.deltaserve.v1 import inference_pb2 as pb
 from deployments.tenancy.ledger import report_task_outcome
@@ -143,6 +143,8 @@ def completion_input_from_request(request: pb.GenerateRequest, grpc_context: Any
         kwargs["allow_special_tokens"] = True
     if request.HasField("seed"):
         kwargs["seed"] = int(request.seed)
+    if request.HasField("n"):
+        kwargs["n"] = int(request.n)  # its range is the frontend's to check (HTTP's limit and message)
     if len(request.stop):
         kwargs["stop"] = tuple(request.stop)
     session_id = request.session_id or _metadata_value(grpc_context, MD_SESSION_ID)
@@ -200,8 +202,10 @@ def _fmt(x: float) -> str:
     return f"{x:.6g}"
 
 
-def success_trailers(fin: Finished, request_id: str) -> list[tuple[str, str]]:
-    u = fin.usage
+def success_trailers(fin: Finished, request_id: str, usage: Usage | None = None) -> list[tuple[str, str]]:
+    """The trailers of a served call: ``fin``'s pool, replica and finish reason; ``usage``: the
+    request's over all its choices (default: ``fin``'s own)."""
+    u = fin.usage if usage is None else usage
     return [
         (MD_POOL, fin.pool),
         (MD_REPLICA, fin.replica),
@@ -215,6 +219,11 @@ def success_trailers(fin: Finished, request_id: str) -> list[tuple[str, str]]:
         (MD_OUTPUT_TOKENS_PER_S, _fmt(u.output_tokens_per_s)),
         (MD_E2E_S, _fmt(u.end_to_end_s)),
     ]
+
+
+def _request_usage(fins: list[Finished]) -> Usage:
+    """The request's usage: one choice's own, or the sum over ``n`` (the prompt once, as HTTP's)."""
+    return fins[0].usage if len(fins) == 1 else total_usage(fins)
 
 
 def _logprobs_pb(entries: tuple[TokenLogprobs, ...]) -> list[pb.TokenLogprob]:
@@ -270,36 +279,44 @@ class GrpcInferenceMixin:
         try:
             inp = completion_input_from_request(request, grpc_context)
             api_key = api_key_from_metadata(grpc_context)
-            text: list[str] = []
-            token_ids: list[int] = []
-            logprobs: list[TokenLogprobs] = []
-            fin: Finished | None = None
+            text: list[list[str]] = [[] for _ in range(inp.n)]
+            token_ids: list[list[int]] = [[] for _ in range(inp.n)]
+            logprobs: list[list[TokenLogprobs]] = [[] for _ in range(inp.n)]
+            fins: list[Finished] = []
             async for event in self.frontend.complete(api_key, inp, request_id=rid,
                                                       trace_parent=trace_parent_from_metadata(grpc_context)):
                 if isinstance(event, TextDelta):
-                    text.append(event.text)
-                    token_ids.extend(event.token_ids)
-                    logprobs.extend(event.logprobs)
+                    text[event.index].append(event.text)
+                    token_ids[event.index].extend(event.token_ids)
+                    logprobs[event.index].extend(event.logprobs)
                 elif isinstance(event, Finished):
-                    fin = event
-            if fin is None:
-                raise RuntimeError("the frontend ended the stream without a Finished event")
+                    fins.append(event)
+            if len(fins) != inp.n:
+                raise RuntimeError(f"the frontend ended the stream with {len(fins)} Finished events for n={inp.n}")
         except Exception as e:
             _set_error(grpc_context, e, "Generate", rid)
             return pb.GenerateResponse()
+        fins.sort(key=lambda f: f.index)
+        fin = fins[0]  # the top-level fields are choice 0's
+        usage = _request_usage(fins)
         request_id = fin.request_id or _serve_request_id(grpc_context)
         if grpc_context is not None:
-            grpc_context.set_trailing_metadata(success_trailers(fin, request_id))
+            grpc_context.set_trailing_metadata(success_trailers(fins[0], request_id, usage))
+        choices = [pb.Choice(index=f.index, text="".join(text[f.index]), token_ids=token_ids[f.index],
+                             finish_reason=f.finish_reason, logprobs=_logprobs_pb(tuple(logprobs[f.index])))
+                   for f in fins]
+        first = choices[0]
         return pb.GenerateResponse(
-            text="".join(text),
-            token_ids=token_ids,
-            finish_reason=fin.finish_reason,
-            usage=_usage_pb(fin.usage),
+            text=first.text,
+            token_ids=first.token_ids,
+            finish_reason=first.finish_reason,
+            usage=_usage_pb(usage),
             model=fin.model,
             pool=fin.pool,
             replica=fin.replica,
             request_id=request_id,
-            logprobs=_logprobs_pb(tuple(logprobs)),
+            logprobs=first.logprobs,
+            choices=choices,
         )
 
     async def GenerateStream(
@@ -307,7 +324,7 @@ class GrpcInferenceMixin:
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
         rid = _new_request_id(request)
         events = None
-        fin: Finished | None = None
+        fins: list[Finished] = []
         try:
             inp = completion_input_from_request(request, grpc_context)
             api_key = api_key_from_metadata(grpc_context)
@@ -316,12 +333,15 @@ class GrpcInferenceMixin:
             async for event in events:
                 if isinstance(event, TextDelta):
                     yield pb.GenerateStreamResponse(text=event.text, token_ids=event.token_ids,
-                                                    logprobs=_logprobs_pb(event.logprobs))
+                                                    logprobs=_logprobs_pb(event.logprobs), index=event.index)
                 elif isinstance(event, Finished):
-                    fin = event
-                    break
-            if fin is None:
-                raise RuntimeError("the frontend ended the stream without a Finished event")
+                    fins.append(event)
+                    if len(fins) == inp.n:
+                        break
+                    # a choice that ends before the last one: its own message (finished stays false)
+                    yield pb.GenerateStreamResponse(finish_reason=event.finish_reason, index=event.index)
+            if len(fins) != inp.n:
+                raise RuntimeError(f"the frontend ended the stream with {len(fins)} Finished events for n={inp.n}")
         except Exception as e:
             _set_error(grpc_context, e, "GenerateStream", rid)
             if self.stream_error_carrier:  # before or after the first message: the status travels with it
@@ -333,17 +353,20 @@ class GrpcInferenceMixin:
                 await events.aclose()
         # Serve sends the context's trailing metadata along with a yielded message: set
         # the success trailers before the last one.
+        fin = fins[-1]
+        usage = _request_usage(fins)
         request_id = fin.request_id or _serve_request_id(grpc_context)
         if grpc_context is not None:
-            grpc_context.set_trailing_metadata(success_trailers(fin, request_id))
+            grpc_context.set_trailing_metadata(success_trailers(fin, request_id, usage))
         yield pb.GenerateStreamResponse(
             finished=True,
             finish_reason=fin.finish_reason,
-            usage=_usage_pb(fin.usage),
+            usage=_usage_pb(usage),
             model=fin.model,
             pool=fin.pool,
             replica=fin.replica,
             request_id=request_id,
+            index=fin.index,
         )
 
     async def ListModels(self, request: pb.ListModelsRequest, grpc_context: Any = None) -> pb.ListModelsResponse:

@@ -386,8 +386,8 @@ class GrpcInferenceMixin:
         """HTTP's ``POST /v1/tasks/{task_id}``: the same checks and errors (NOT_FOUND, FAILED_PRECONDITION,
         INVALID_ARGUMENT naming ``task_id`` or ``outcome``)."""
         try:
-            report = report_task_outcome(self.frontend, self.ledger, api_key_from_metadata(grpc_context),
-                                         request.task_id, request.outcome)
+            report = await report_task_outcome(self.frontend, self.ledger, api_key_from_metadata(grpc_context),
+                                               request.task_id, request.outcome)
         except Exception as e:
             _set_error(grpc_context, e, "ReportTaskOutcome")
             return pb.TaskOutcome()

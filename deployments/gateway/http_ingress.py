@@ -443,7 +443,7 @@ class IngressRoutes:
         again answers as before; a different one is 409; a task the caller's tenant never named is 404."""
         rid = _request_id(request)
         try:
-            report = report_task_outcome(self.frontend, self.ledger, _api_key(request), task_id, body.outcome)
+            report = await report_task_outcome(self.frontend, self.ledger, _api_key(request), task_id, body.outcome)
         except Exception as e:
             return _error(e, rid)
         return JSONResponse(report.json(), headers={"x-deltaserve-request-id": rid})

@@ -65,9 +65,16 @@ class Ingress(IngressRoutes, GrpcInferenceMixin):
     def usage(self) -> dict:
         return self.frontend.usage.snapshot()
 
-    def usage_report(self, tenant: str | None = None, since_s: float | None = None) -> dict:
-        """`deltaserve usage`: the ledger's report (:meth:`~deployments.tenancy.ledger.UsageLedger.report`)."""
-        return self.ledger.report(tenant, since_s)
+    async def usage_report(self, tenant: str | None = None, since_s: float | None = None) -> dict:
+        """`deltaserve usage`: the ledger's report (:meth:`~deployments.tenancy.ledger.UsageLedger.report`), in a
+        worker thread (it waits for this replica's queued writes and reads Redis)."""
+        return await asyncio.to_thread(self.ledger.report, tenant, since_s)
+
+    def __del__(self) -> None:
+        """Serve's graceful shutdown (and garbage collection): the usage ledger's queued writes go to Redis first."""
+        ledger = getattr(self, "ledger", None)
+        if ledger is not None:
+            ledger.close()
 
     def failovers(self) -> int:
         """Streams this ingress resumed on another replica after a failure."""

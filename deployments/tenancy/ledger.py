@@ -29,10 +29,24 @@ no longer counts as open, and its spend stays in ``task_cost``.
 While Redis is unavailable (or none is configured) the ledger counts in this process
 (:class:`_LocalBook`, the same counters and rules): figures per ingress replica, since it started,
 which :meth:`report` names as its ``source``.
+
+Writes never run on the caller's thread (the ingress event loop): :meth:`UsageLedger.record` takes
+the request's clock reading and keys, and queues the write for one writer thread, which runs the
+scripts in arrival order. The queue is bounded (``queue_max``): a write that finds it full (Redis
+answering slower than requests end) is counted in this process instead (a fallback, like a write
+Redis refused), so memory stays bounded and nothing is lost. Readers in this process see every
+write queued before them: :meth:`UsageLedger.report` and :meth:`UsageLedger.report_outcome` first
+wait for the queue to drain (:meth:`UsageLedger.flush`), so a task's own requests are in Redis when
+its outcome is looked up. :meth:`UsageLedger.close` (the ingress's shutdown) drains the queue; a
+write still queued when its timeout runs out is counted as ``dropped`` and logged. Another process
+reading Redis directly (`deltaserve usage --redis-url`, cache-admin's gauges) sees a write once the
+writer ran it, milliseconds after its request ended.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import logging
 import threading
 import time
@@ -52,6 +66,8 @@ PREFIX = "deltaserve:usage:"
 TASK_TTL_S = 86400  # an open task expires a day after its last request
 BUCKET_S = 3600  # hourly buckets for --since
 BUCKET_TTL_S = 35 * 86400  # hourly buckets are kept five weeks
+QUEUE_MAX = 10_000  # writes waiting for Redis; past it a write is counted in this process
+FLUSH_TIMEOUT_S = 5.0  # how long a reader waits for the writes queued before it
 OUTCOMES = {"success": "succeeded", "failure": "failed"}  # what a client reports → the counter it adds to
 POOL_FIELDS = ("requests", "failed", "input", "cached", "output", "cost", "task_requests", "task_cost",
                "tasks_succeeded", "tasks_failed")
@@ -269,23 +285,51 @@ def tenant_summary(hashes: list[dict[str, str]], open_counts: list[int], pools: 
     return {"pools": rows, "total": _summary(total, open_counts[0])}
 
 
+@dataclass(frozen=True, slots=True)
+class _Write:
+    """One request's counts, with the keys and clock reading taken when it ended."""
+
+    keys: list[str]
+    args: list
+    pool: str
+    failed: int
+    cost: Cost
+    now: float
+    task_id: str
+    cutoff: float
+
+
 class UsageLedger:
     """Per tenant × pool and per task usage and cost, in Redis (``store``) or, without one or while it is
     unavailable, in this process. A :class:`~deployments.gateway.frontend.RequestObserver`. Thread-safe.
 
-    Each call is one Lua script on the event loop of the caller, like the rate limiter's: ``store``
-    should have a short timeout and a breaker (:func:`make_ledger`), so an outage costs a request at
-    most one timeout before the breaker opens. ``clock``: unix seconds (tests)."""
+    A request's counts go to Redis from one writer thread (see the module's docstring), never from the
+    caller's: :meth:`record` only queues them. Reads and task reports run on the caller's thread (the
+    ingresses call :meth:`report_outcome` off their event loop). ``store`` should have a short timeout
+    and a breaker (:func:`make_ledger`), so an outage costs the writer at most one timeout before the
+    breaker opens. ``queue_max``: writes that may wait for Redis. ``clock``: unix seconds (tests)."""
 
     def __init__(self, store: RedisStore | None, *, pools: tuple[str, ...] = POOLS, task_ttl_s: int = TASK_TTL_S,
-                 bucket_ttl_s: int = BUCKET_TTL_S, clock: Callable[[], float] = time.time) -> None:
+                 bucket_ttl_s: int = BUCKET_TTL_S, clock: Callable[[], float] = time.time,
+                 queue_max: int = QUEUE_MAX) -> None:
+        if queue_max < 1:
+            raise ValueError(f"queue_max must be >= 1, got {queue_max}")
         self.store = store
         self.pools = tuple(pools)
         self.task_ttl_s, self.bucket_ttl_s = task_ttl_s, bucket_ttl_s
         self.clock = clock
         self.local = _LocalBook()
         self.fallbacks = 0  # requests and reports this process counted locally because Redis was unavailable
+        self.overflows = 0  # of those, writes counted locally because the writer's queue was full
+        self.dropped = 0  # writes still queued when close() gave up (lost: Redis hung through the shutdown)
+        self.queue_max = queue_max
         self._lock = threading.Lock()
+        self._queue: collections.deque[_Write] = collections.deque()
+        self._cv = threading.Condition()
+        self._queued = 0  # writes ever queued
+        self._done = 0  # writes ever finished by the writer (in Redis, or counted locally)
+        self._closed = False
+        self._writer: threading.Thread | None = None
 
     # -- writing -----------------------------------------------------------------
     def request_done(self, record) -> None:
@@ -305,16 +349,88 @@ class UsageLedger:
                 key(tenant, "open", pool)]
 
     def record(self, tenant: str, pool: str, cost: Cost, *, task_id: str = "", failed: bool = False) -> None:
+        """Count one request (its hour and expiry from the clock now); returns at once: Redis is written by
+        the writer thread, the in-process book (no Redis) here."""
         now = self.clock()
         keys = self._record_keys(tenant, pool, task_id, now)
         cutoff = now - self.task_ttl_s
         args = [pool, int(failed), cost.input_tokens, cost.cached_tokens, cost.output_tokens, cost.total_pico,
                 repr(now), task_id, self.task_ttl_s, self.bucket_ttl_s, repr(cutoff)]
-        if self.store is not None and self.store.run_script("usage record", _LUA_RECORD, keys, args) is not None:
+        write = _Write(keys, args, pool, int(failed), cost, now, task_id, cutoff)
+        if self.store is None:
+            self._count_locally(write, fallback=False)
             return
+        with self._cv:
+            if not self._closed and len(self._queue) < self.queue_max:
+                self._queue.append(write)
+                self._queued += 1
+                if self._writer is None:
+                    self._writer = threading.Thread(target=self._run, name="usage-ledger-writer", daemon=True)
+                    self._writer.start()
+                self._cv.notify_all()
+                return
+            self.overflows += not self._closed
+        self._count_locally(write, fallback=True)
+
+    def _count_locally(self, w: _Write, *, fallback: bool) -> None:
         with self._lock:
-            self.fallbacks += self.store is not None
-            self.local.record(keys, pool, int(failed), cost, now, task_id, self.task_ttl_s, self.bucket_ttl_s, cutoff)
+            self.fallbacks += fallback
+            self.local.record(w.keys, w.pool, w.failed, w.cost, w.now, w.task_id, self.task_ttl_s, self.bucket_ttl_s,
+                              w.cutoff)
+
+    def _run(self) -> None:
+        """The writer thread: each queued write in order, to Redis, or counted locally when Redis refuses it."""
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                w = self._queue[0]  # stays queued until written: flush() and close() count it as pending
+            try:
+                if self.store.run_script("usage record", _LUA_RECORD, w.keys, w.args) is None:
+                    self._count_locally(w, fallback=True)
+            except Exception:  # noqa: BLE001 - the writer must outlive any one write
+                log.exception("usage ledger write failed; counted in this process")
+                self._count_locally(w, fallback=True)
+            with self._cv:
+                if self._queue and self._queue[0] is w:
+                    self._queue.popleft()
+                    self._done += 1
+                self._cv.notify_all()
+
+    @property
+    def pending(self) -> int:
+        """Writes queued for Redis and not yet finished."""
+        with self._cv:
+            return len(self._queue)
+
+    def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
+        """Wait until every write queued before this call is finished (in Redis, or counted locally); False
+        if ``timeout_s`` ran out first."""
+        with self._cv:
+            target = self._queued
+            return self._cv.wait_for(lambda: self._done >= target or not self._queue, timeout_s)
+
+    def close(self, timeout_s: float = FLUSH_TIMEOUT_S) -> None:
+        """Stop taking writes (later ones are counted in this process) and drain the queue within ``timeout_s``;
+        writes still queued after it are counted as ``dropped`` and logged. Idempotent."""
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            self._cv.notify_all()
+        writer = self._writer
+        if writer is not None:
+            writer.join(timeout_s)
+        with self._cv:
+            left = len(self._queue)
+            if left and writer is not None and writer.is_alive():
+                self._queue.clear()
+                self.dropped += left
+        if left:
+            log.error("usage ledger: %d writes were still queued for Redis %s after %.1f s at shutdown: dropped",
+                      left, self.store.url if self.store else None, timeout_s)
 
     def report_outcome(self, tenant: str, task_id: str, outcome: str) -> TaskReport:
         """Close the tenant's task ``task_id`` as ``outcome`` ("success" | "failure"). Reporting the outcome it
@@ -323,6 +439,7 @@ class UsageLedger:
         is :class:`~deployments.gateway.errors.NotFound` (404)."""
         if outcome not in OUTCOMES:
             raise ValueError(f"outcome must be one of {sorted(OUTCOMES)}, got {outcome!r}")
+        self.flush()  # the task's own requests first
         now = self.clock()
         keys = [key(tenant, "task", task_id), key(tenant, "h", str(hour_of(now))), key(tenant, "total"),
                 key(tenant, "open")] + [key(tenant, "open", p) for p in self.pools]
@@ -393,7 +510,9 @@ class UsageLedger:
         task, all-time or over the hourly buckets that overlap the last ``since_s`` seconds. ``source``: "redis"
         (shared by every ingress replica), or "in-process" (this replica since its start: no Redis configured, or
         Redis unavailable now, said in ``note``); ``in_process``: what this replica counted locally while Redis
-        was unavailable (beside the Redis figures, not in them)."""
+        was unavailable (beside the Redis figures, not in them). Every write queued in this process before the
+        call is in the figures (it waits for them, :meth:`flush`)."""
+        self.flush()
         now = self.clock()
         shared = None
         if self.store is not None:
@@ -404,7 +523,8 @@ class UsageLedger:
         local = self._rows(local_names, since_s, now, local=True)
         out = {"source": "in-process" if shared is None else "redis", "redis_url": self.store.url if self.store else None,
                "since_s": since_s, "now": now, "window_start": None if since_s is None else hour_of(now - since_s),
-               "task_ttl_s": self.task_ttl_s, "fallbacks": self.fallbacks, "tenants": local if shared is None else shared}
+               "task_ttl_s": self.task_ttl_s, "fallbacks": self.fallbacks, "overflows": self.overflows,
+               "dropped": self.dropped, "tenants": local if shared is None else shared}
         if shared is None:
             out["note"] = ("no Redis configured" if self.store is None else "Redis unavailable") + \
                 ": figures of this ingress replica since it started"
@@ -467,11 +587,12 @@ class UsageExporter:
                 log.exception("usage ledger export failed")
 
 
-def report_task_outcome(frontend, ledger: UsageLedger | None, api_key: str | None, task_id: str,
-                        outcome: str) -> TaskReport:
+async def report_task_outcome(frontend, ledger: UsageLedger | None, api_key: str | None, task_id: str,
+                              outcome: str) -> TaskReport:
     """``POST /v1/tasks/{task_id}`` and gRPC ``ReportTaskOutcome``: authenticate the caller as every route does
     (401), check the task id (400 naming ``task_id``) and the outcome (400 naming ``outcome``), then close the
-    caller's tenant's task (404 unknown, 409 a changed outcome)."""
+    caller's tenant's task (404 unknown, 409 a changed outcome) in a worker thread: it waits for the writes
+    queued before it and calls Redis, neither of which may hold up the caller's event loop."""
     from deployments.gateway.frontend import check_task_id
 
     frontend.registry.reload_if_changed()
@@ -482,4 +603,4 @@ def report_task_outcome(frontend, ledger: UsageLedger | None, api_key: str | Non
     if ledger is None:
         raise NotFound(f"unknown task {task_id!r}: this ingress keeps no usage ledger", code="task_not_found",
                        param="task_id")
-    return ledger.report_outcome(tenant.name, task_id, outcome)
+    return await asyncio.to_thread(ledger.report_outcome, tenant.name, task_id, outcome)

@@ -1,10 +1,14 @@
 """The usage ledger on a real redis-server: exact integer counts per tenant × pool and per task, shared by
 two ledgers (two ingress replicas), surviving a new ledger (an ingress restart), hourly buckets for --since,
 the task rules (404 unknown / foreign, idempotent re-report, 409 on a changed outcome, TTL), and the in-process
-book (no Redis, or Redis down) giving the same figures for the same script."""
+book (no Redis, or Redis down) giving the same figures for the same script; the writes off the caller's
+thread (a hung Redis does not hold up ``request_done``), the bounded queue, and the drain at shutdown."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import time
 from dataclasses import dataclass
 from fractions import Fraction
@@ -169,6 +173,7 @@ def test_redis_down_counts_in_process_and_says_so():
     clock = Clock()
     a = ledger(s.url, clock)
     a.request_done(Rec("acme", "standard", STD.cost(10, 0, 2), "job"))
+    assert a.flush()  # in Redis before it goes down
     s.stop()
     a.request_done(Rec("acme", "standard", STD.cost(20, 0, 4), "job2"))
     with pytest.raises(Unavailable, match="Redis is unavailable: task 'job' cannot be looked up"):
@@ -248,8 +253,10 @@ def test_the_usage_command_reads_the_ledger_in_redis(url, capsys):
     raw.close()
     b = ledger(url, clock)
     b.request_done(Rec("acme", "standard", STD.cost(10, 0, 2)))
+    assert b.flush()
     b.store.breaker.record_failure()  # open: the next call does not reach Redis
     b.request_done(Rec("acme", "standard", STD.cost(20, 0, 4)))
+    assert b.flush()
     b.store.breaker.record_success()  # closed again
     report = b.report()
     assert report["source"] == "redis" and report["fallbacks"] == 1
@@ -260,3 +267,89 @@ def test_the_usage_command_reads_the_ledger_in_redis(url, capsys):
     assert text[6].split()[:3] == ["acme", "standard", "1"] and text[6].split()[7] == "0.000022000000"
     assert text[-1] == ("note: 1 requests or task reports were counted in this ingress replica while Redis was "
                         "unavailable: they are under in_process, not in the shared figures")
+
+
+@contextlib.contextmanager
+def hung(server: LocalRedisServer):
+    """``server`` stopped (SIGSTOP) inside the block: connections hang, nothing answers; resumed after."""
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+
+
+def test_writes_leave_the_callers_thread_while_redis_hangs_and_all_arrive():
+    s = LocalRedisServer().start()
+    try:
+        clock = Clock()
+        a = ledger(s.url, clock)  # a 1 s timeout: a write on the caller's thread would take it
+        a.request_done(Rec("acme", "standard", STD.cost(1, 0, 1)))
+        assert a.flush()  # connected and the script loaded
+        with hung(s):
+            t = time.perf_counter()
+            for i in range(50):
+                a.request_done(Rec("acme", "standard", STD.cost(10, 0, 2), f"t{i % 5}"))
+            took = time.perf_counter() - t
+            assert took < 0.1, f"50 request_done calls took {took:.3f} s while Redis hung"
+            assert a.pending >= 49
+        assert a.flush(timeout_s=30)
+        r = a.report()
+        total = r["tenants"]["acme"]["total"]
+        # what the writer could not put in Redis while it hung was counted in process: together, all 51
+        shared = total["requests"]
+        local = r.get("in_process", {}).get("acme", {}).get("total", {}).get("requests", 0)
+        assert shared + local == 51 and r["fallbacks"] == local and r["dropped"] == r["overflows"] == 0
+        assert total["cost_pico_usd"] + r.get("in_process", {}).get("acme", {}).get("total", {}).get(
+            "cost_pico_usd", 0) == STD.cost(1, 0, 1).total_pico + 50 * STD.cost(10, 0, 2).total_pico
+    finally:
+        s.stop()
+
+
+def test_a_full_queue_counts_in_process_and_memory_stays_bounded():
+    s = LocalRedisServer().start()
+    try:
+        clock = Clock()
+        a = UsageLedger(RedisStore(s.url, timeout_s=5.0, breaker=CircuitBreaker(1, 30.0)), clock=clock, queue_max=4)
+        a.request_done(Rec("acme", "standard", STD.cost(1, 0, 1)))
+        assert a.flush()
+        with hung(s):
+            for _ in range(100):
+                a.request_done(Rec("acme", "standard", STD.cost(10, 0, 2)))
+            assert a.pending == 4 and a.overflows == 96  # the writer holds the first, waiting on Redis
+        assert a.flush(timeout_s=30)
+        r = a.report()
+        assert r["source"] == "redis" and r["overflows"] == 96 and r["fallbacks"] == 96 and r["dropped"] == 0
+        assert r["tenants"]["acme"]["total"]["requests"] == 1 + 4
+        assert r["in_process"]["acme"]["total"]["requests"] == 96
+    finally:
+        s.stop()
+
+
+def test_close_drains_the_queue_and_counts_what_a_hung_redis_kept(url):
+    clock = Clock()
+    a = ledger(url, clock)
+    for _ in range(300):
+        a.request_done(Rec("acme", "highspeed", HS.cost(5, 0, 1), "job"))
+    a.close()  # a clean shutdown: everything queued reaches Redis
+    assert a.pending == 0 and a.dropped == 0 and a.fallbacks == 0
+    r = ledger(url, clock).report()  # a fresh ingress replica's view
+    assert r["tenants"]["acme"]["pools"]["highspeed"]["requests"] == 300
+    assert r["tenants"]["acme"]["total"]["cost_pico_usd"] == 300 * HS.cost(5, 0, 1).total_pico
+    a.request_done(Rec("acme", "highspeed", HS.cost(5, 0, 1)))  # after close: counted here, not lost
+    assert a.fallbacks == 1 and a.report()["in_process"]["acme"]["total"]["requests"] == 1
+
+    s = LocalRedisServer().start()
+    try:
+        b = UsageLedger(RedisStore(s.url, timeout_s=10.0, breaker=CircuitBreaker(1, 30.0)), clock=clock)
+        b.request_done(Rec("acme", "standard", STD.cost(1, 0, 1)))
+        assert b.flush()
+        with hung(s):
+            for _ in range(5):
+                b.request_done(Rec("acme", "standard", STD.cost(1, 0, 1)))
+            t = time.perf_counter()
+            b.close(timeout_s=0.3)
+            assert time.perf_counter() - t < 2
+            assert b.dropped == 5 and b.pending == 0
+    finally:
+        s.stop()

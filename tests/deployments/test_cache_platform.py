@@ -339,6 +339,8 @@ def test_shared_system_prompt_is_cached_for_a_new_session(platform):
     _, u1, _ = chat(platform, "a", first, session="sys-1")
     assert u1.prompt_tokens_details.cached_tokens == 0
     wait_for(lambda: platform["store"].hgetall(session_key_of("alice", "sys-1")), what="the first session's checkpoints")
+    # the session entry can land before the prefix's blocks (writes are queued): wait for those too
+    settle(lambda: len(platform["store"].scan("ds:v1:t:alice:*")))
     _, u2, _ = chat(platform, "b", other, session="sys-2")  # another session, another replica
     system_tokens = len(encode_chat(load_tokenizer(MODEL), [("system", system["content"])], add_generation_prompt=False))
     assert u2.prompt_tokens_details.cached_tokens == system_tokens // BLOCK * BLOCK > 0

@@ -10,6 +10,12 @@
 * replica start-up: wall seconds of a fresh Python process that imports the engine, loads the model
   and builds the engine (what a new Serve replica's worker does), plus Serve's own part, a documented
   constant (:data:`SERVE_STARTUP_OVERHEAD_S`);
+* the machine's cores (``machine.cpu_count``): the simulator's machine-sharing mode stretches steps when
+  more replicas step at once than there are cores;
+* optionally (``--platform URL``, :func:`measure_ingress`), the live platform's own per-request and
+  per-token cost beyond the engine's steps (HTTP proxy, ingress, the prefill -> decode hop, streaming):
+  requests of a given length sent one at a time to an idle `deltaserve up`, their client-side TTFT and
+  TPOT minus what the simulator's abstract model gives the same requests alone, per pool;
 * the cache's hit rate and the direct handoff's time by prompt length: read from
   ``benchmarks/results/cache_trace.json`` (the prefix cache's measured hit rate on its multi-turn trace,
   and the measured state handoff), the source named in the profile.
@@ -28,7 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +63,9 @@ class Profile:
     cache_token_hit_rate: float  # share of prompt tokens the prefix cache serves
     cache_request_hit_rate: float  # share of requests with any cached tokens
     source: str = ""  # the file it came from
+    cores: float = 1.0  # the machine's CPU cores (machine.cpu_count): the machine-sharing mode's processor count
+    ingress_request_s: dict[str, float] = field(default_factory=dict)  # pool -> measured per-request overhead (s)
+    ingress_token_s: dict[str, float] = field(default_factory=dict)  # pool -> measured per-output-token overhead (s)
 
     def prefill_s(self, tokens: float) -> float:
         a, b, c = self.prefill_coef
@@ -89,6 +98,9 @@ def load_profile(path: str | Path | None = None) -> Profile:
             cache_token_hit_rate=float(data["cache"]["token_hit_rate"]),
             cache_request_hit_rate=float(data["cache"]["request_hit_rate"]),
             source=str(path),
+            cores=float(data.get("machine", {}).get("cpu_count") or 1),
+            ingress_request_s={p: float(v["request_s"]) for p, v in (data.get("ingress") or {}).get("pools", {}).items()},
+            ingress_token_s={p: float(v["token_s"]) for p, v in (data.get("ingress") or {}).get("pools", {}).items()},
         )
     except OSError as e:
         raise ValueError(f"{path}: cannot read the profile: {e.strerror}") from None
@@ -269,3 +281,60 @@ def run_profile(out: Path, *, reps: int = 5, steps: int = 8, startup_reps: int =
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1) + "\n")
     return data
+
+
+def alone_model(profile: Profile, config, pool: str, prompt: int, output: int) -> tuple[float, float]:
+    """TTFT and TPOT (seconds) the simulator's abstract model gives one request of ``pool`` alone on the
+    platform (no noise, no cache, one prefill and one decode replica)."""
+    from deployments.autoscaling.policy import StaticPolicy
+    from deployments.autoscaling.signals import Budget
+    from deployments.autoscaling.simulator import SimSettings, Simulator
+    from deployments.autoscaling.traces import TraceRequest
+
+    alone = [TraceRequest(10.0 * i, pool, prompt, output) for i in range(3)]
+    split = {f"{k}-{pool}": 1 for k in ("prefill", "decode")}
+    sim = Simulator(alone, StaticPolicy(split), profile, config,
+                    SimSettings(Budget(total=2), seed=0, noise=False, cache_token_hit_rate=0.0,
+                                cache_request_hit_rate=0.0, initial=split), name="alone").run()
+    return sim.pools[pool].ttft_s["p50"], sim.pools[pool].tpot_s["p50"] or 0.0
+
+
+def measure_ingress(url: str, key: str, models: dict[str, str], lengths: dict[str, tuple[int, int]], profile: Profile,
+                    *, reps: int = 8) -> dict:
+    """The live platform's cost beyond the engine's steps, per pool: ``reps`` streamed requests of
+    ``lengths[pool]`` = (prompt, output) tokens sent one at a time (nothing else in flight) to ``url``; the
+    median client-side TTFT and TPOT minus what the simulator's abstract model (``profile``, no noise, no
+    cache) gives the same request alone. ``request_s`` is then the per-request overhead (HTTP proxy, ingress,
+    routing, the first chunk's way back), ``token_s`` the per-output-token one (the decode -> ingress ->
+    client hops, the handoff, chunking). Returns the profile's ``ingress`` section."""
+    import asyncio
+
+    import httpx
+
+    from benchmarks.bench_serving import _stream, sized_prompts
+    from deployments.config import PlatformConfig
+
+    config = PlatformConfig()
+    pools = {}
+    for pool, model in models.items():
+        prompt, output = lengths[pool]
+        texts = sized_prompts(reps + 1, prompt, salt=f"ingress-{pool}-")
+
+        async def run(texts=texts, model=model, output=output) -> list[dict]:
+            async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
+                return [await _stream(client, url, key, model, t, output, continuous=True) for t in texts]
+
+        results = asyncio.run(run())[1:]  # the first warms this length's path
+        ttft_m = statistics.median(r["ttft"] for r in results)
+        tpots = [r["tpot"] for r in results if r["tpot"] is not None]
+        tpot_m = statistics.median(tpots) if tpots else 0.0
+        ttft_s, tpot_s = alone_model(profile, config, pool, prompt, output)
+        pools[pool] = {"request_s": max(0.0, ttft_m - ttft_s), "token_s": max(0.0, tpot_m - tpot_s),
+                       "measured_ttft_s": ttft_m, "measured_tpot_s": tpot_m, "model_ttft_s": ttft_s,
+                       "model_tpot_s": tpot_s, "prompt_tokens": prompt, "output_tokens": output,
+                       "samples": len(results)}
+    return {"pools": pools, "url": url, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "loadavg_1m": round(os.getloadavg()[0], 2),
+            "source": "requests one at a time to an idle deltaserve up; client-side median TTFT / TPOT minus the "
+                      "simulator's abstract model of the same request alone (deployments/autoscaling/profile.py "
+                      "measure_ingress)"}

@@ -27,6 +27,15 @@ over the last ``window_s``: the signals the live replicas export) and applies th
 The replicas start as ``SimSettings.initial`` says, else as the policy's first decision (made at time 0 with no
 load), already serving.
 
+Two modes. The default, abstract one gives every replica its own hardware: step times are the profile's
+alone, and nothing costs time outside the engine's steps (the Azure-hour evaluation, where the budget is
+replicas on their own machines). ``SimSettings.machine_share`` models replicas sharing one machine, as
+`deltaserve up` runs them here: the profile's ``cores`` are shared by processor sharing, so a prefill step,
+a decode segment or a replica's start-up that begins while ``n`` units are busy (replicas in a step or
+segment or starting, this one included, plus one for the ingress path while any request is in flight) takes
+``max(1, n / cores)`` times as long; and each request pays the profile's measured ingress costs
+(``ingress_request_s`` before it reaches prefill, ``ingress_token_s`` on every decode step), stretched alike.
+
 Decode runs in segments: between two changes of a replica's batch (a stream finishing or joining) every
 step has the same batch, so a segment of k steps is one event; its step time uses the batch's mean
 context at the segment's middle, and one noise draw (the profile's relative residual).
@@ -99,6 +108,8 @@ class SimSettings:
     noise: bool = True  # multiply step times by a lognormal of the profile's relative residual
     initial: dict[str, int] | None = None  # replicas serving at time 0 (as `deltaserve up --replicas` starts them);
     # None: the policy's first decision, made at time 0 with no load
+    machine_share: bool = False  # replicas share the profile's cores, requests pay its ingress costs (module doc);
+    # False: every replica has its own hardware and nothing costs time outside the engine's steps
 
     def __post_init__(self) -> None:
         if not (self.tick_s > 0 and self.window_s >= self.tick_s):
@@ -278,6 +289,7 @@ class Simulator:
         self.done_window: dict[str, deque[SimRequest]] = {p: deque() for p in self.pools}  # done in the window
         self.ft_window: dict[str, deque[SimRequest]] = {p: deque() for p in self.pools}  # first token in it
         self.timeline: dict[str, list] = {"t": []}
+        self.in_flight = 0  # requests arrived and not resolved (the ingress path is busy while > 0)
 
     # --- set-up -------------------------------------------------------------------------------------------
     def _computed(self, req: TraceRequest) -> int:
@@ -290,6 +302,16 @@ class Simulator:
             return req.prompt_tokens
         share = min(1.0, tok / reqr)
         return max(1, req.prompt_tokens - int(req.prompt_tokens * share))
+
+    def _stretch(self, extra: int = 1) -> float:
+        """Machine-sharing mode: how much longer work that begins now takes, ``extra`` units joining those
+        busy (replicas in a step or segment, and the ingress path while requests are in flight); else 1."""
+        if not self.settings.machine_share:
+            return 1.0
+        busy = sum(1 for d in self.deps.values() for r in d.replicas
+                   if r.state == "starting" or (r.step is not None if d.kind == "prefill" else bool(r.streams)))
+        busy += extra + (1 if self.in_flight else 0)
+        return max(1.0, busy / max(self.profile.cores, 1e-9))
 
     def _noise(self) -> float:
         sd = self.profile.noise_rel_sd if self.settings.noise else 0.0
@@ -306,6 +328,7 @@ class Simulator:
 
     def _resolve(self, req: SimRequest) -> None:
         self.unresolved -= 1
+        self.in_flight -= 1
         if req.done_at is not None:
             self.done_window[req.pool].append(req)
 
@@ -315,9 +338,18 @@ class Simulator:
 
     # --- routing ------------------------------------------------------------------------------------------
     def _arrive(self, req: SimRequest) -> None:
+        self.in_flight += 1
         if req.prompt + req.output > self.config.max_model_len:
             self._drop(req, "too long")
             return
+        cost = self.profile.ingress_request_s.get(req.pool, 0.0) if self.settings.machine_share else 0.0
+        if cost > 0:
+            self._push(self.now + cost * self._stretch(0), "ingress", req)
+            return
+        self._enter(req)
+
+    def _enter(self, req: SimRequest) -> None:
+        """The request reaches its pool's prefill deployment (after the ingress, in machine-sharing mode)."""
         dep = self.deps[f"prefill-{req.pool}"]
         dep.arrivals.append((self.now, req.computed))
         self._offer(dep, req)
@@ -388,7 +420,7 @@ class Simulator:
             rep.step = None
             return
         tokens = sum(n for _, n in chunks)
-        dt = self.profile.prefill_s(tokens) * self._noise()
+        dt = self.profile.prefill_s(tokens) * self._noise() * self._stretch()
         dep.busy_s += dt
         dep.tokens += tokens
         rep.step = chunks
@@ -450,7 +482,15 @@ class Simulator:
             return
         k = min(s.decode_left for s in rep.streams)
         ctx = sum(s.prompt + s.output - s.decode_left for s in rep.streams) / len(rep.streams) + k / 2
-        rep.seg_dt = self.profile.decode_s(len(rep.streams), ctx) * self._noise()
+        step = self.profile.decode_s(len(rep.streams), ctx)
+        if self.settings.machine_share:
+            step += self.profile.ingress_token_s.get(rep.deployment.pool, 0.0)
+            streams, rep.streams = rep.streams, []
+            factor = self._stretch()
+            rep.streams = streams
+        else:
+            factor = 1.0
+        rep.seg_dt = step * self._noise() * factor
         rep.seg_start, rep.seg_k = self.now, k
         rep.deployment.busy_s += k * rep.seg_dt
         rep.version += 1
@@ -498,7 +538,7 @@ class Simulator:
         dep.account(self.now)
         self.peak_held = max(self.peak_held, self._held_units())
         if not serving:
-            self._push(self.now + self.profile.replica_startup_s, "ready", rep)
+            self._push(self.now + self.profile.replica_startup_s * self._stretch(0), "ready", rep)  # it counts itself: starting
         return True
 
     def _drain(self, dep: Deployment) -> None:
@@ -677,7 +717,7 @@ class Simulator:
         self._push(self.settings.tick_s, "tick", None)
         handlers: dict[str, Callable] = {"prefill": self._prefill_done, "decode": self._decode_done,
                                          "gathered": self._gathered,
-                                         "handoff": self._handoff, "ready": self._ready,
+                                         "handoff": self._handoff, "ready": self._ready, "ingress": self._enter,
                                          "drain-deadline": self._drain_deadline}
         arrivals, i = self.requests, 0
         while self.unresolved:

@@ -354,3 +354,60 @@ def test_initial_counts_serve_from_time_zero_and_the_policy_first_decides_at_the
         simulate(trace, Scripted([1]), budget=4, initial={"decode-x": 1})
     with pytest.raises(ValueError, match="integers >= 0"):
         SimSettings(Budget(total=4), initial={"decode-standard": -1})
+
+
+# --- machine-sharing mode -----------------------------------------------------------------------------------
+
+
+def _two_at_once():
+    """Two 100-token prompts at t=0 on two prefill replicas (one each) and two decode replicas; the default
+    pool has no burst hold: each prefill step alone is 0.2 s, each decode step alone 0.011 s."""
+    names = {"prefill-standard": 2, "decode-standard": 2}
+    return reqs((0.0, 100, 11), (0.0, 100, 11)), Fixed(names), dict(budget=4, initial=names)
+
+
+def test_abstract_mode_ignores_cores_and_ingress_costs():
+    """The default (abstract) mode: the profile's cores and ingress costs change nothing."""
+    requests, policy, kw = _two_at_once()
+    plain = simulate(requests, policy, **kw).pools["standard"]
+    costly = simulate(requests, policy, profile=exact_profile(cores=1.0, ingress_request_s={"standard": 0.5},
+                                                              ingress_token_s={"standard": 0.05}), **kw)
+    assert costly.pools["standard"].ttft_s == plain.ttft_s == pytest.approx({"p50": 0.2, "p95": 0.2, "p99": 0.2})
+    assert costly.pools["standard"].tpot_s == plain.tpot_s
+
+
+def test_machine_share_with_enough_cores_and_no_ingress_cost_is_the_abstract_model():
+    requests, policy, kw = _two_at_once()
+    plain = simulate(requests, policy, **kw).pools["standard"]
+    shared = simulate(requests, policy, profile=exact_profile(cores=16.0), machine_share=True, **kw).pools["standard"]
+    assert (shared.ttft_s, shared.tpot_s) == (plain.ttft_s, plain.tpot_s)
+
+
+def test_machine_share_stretches_steps_by_busy_units_over_cores():
+    """One core. The first prefill step begins with the ingress busy (requests in flight) and itself: 2 units,
+    0.4 s; the second begins while the first steps: 3 units, 0.6 s (TTFTs 0.4 and 0.6). Decode: the first stream's segment begins at
+    0.4 with the second prefill stepping (3 units: 10 steps of 0.033 s); the second's at 0.6 with the first
+    segment running (3 units again)."""
+    requests, policy, kw = _two_at_once()
+    shared = simulate(requests, policy, profile=exact_profile(cores=1.0), machine_share=True, **kw).pools["standard"]
+    assert shared.ttft_s == pytest.approx({"p50": 0.5, "p95": 0.4 + 0.95 * 0.2, "p99": 0.4 + 0.99 * 0.2}, abs=1e-9)
+    assert shared.tpot_s == pytest.approx({"p50": 0.033, "p95": 0.033, "p99": 0.033}, abs=1e-9)
+
+
+def test_machine_share_adds_the_measured_ingress_costs():
+    """A lone request with cores to spare: TTFT = ingress 0.05 + prefill 0.2; every decode step 0.011 + 0.004."""
+    prof = exact_profile(cores=16.0, ingress_request_s={"standard": 0.05}, ingress_token_s={"standard": 0.004})
+    sim = simulate(reqs((0.0, 100, 11)), Fixed({n: 1 for n in NAMES}), profile=prof, machine_share=True)
+    assert sim.pools["standard"].ttft_s["p50"] == pytest.approx(0.25, abs=1e-12)
+    assert sim.pools["standard"].tpot_s["p50"] == pytest.approx(0.015, abs=1e-12)
+
+
+def test_profile_reads_cores_and_ingress(tmp_path):
+    data = json.loads(DEFAULT_PROFILE.read_text())
+    data["ingress"] = {"pools": {"standard": {"request_s": 0.07, "token_s": 0.002}}}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    prof = load_profile(path)
+    assert prof.cores == data["machine"]["cpu_count"]
+    assert (prof.ingress_request_s, prof.ingress_token_s) == ({"standard": 0.07}, {"standard": 0.002})
+    assert load_profile().ingress_request_s == {}  # the committed profile has none: machine sharing adds no ingress

@@ -25,11 +25,23 @@ Serve's HTTP-proxy callback (``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``), whi
 actor calls in its constructor, before it starts the gRPC server; it replaces
 ``add_grpc_address`` in that process. ``deltaserve up`` sets both variables
 (``deployments.cli.up.serve_env``); a cluster you start yourself needs them in its environment.
+
+The same callback returns the HTTP proxy's one middleware, :class:`OpenAIProxyErrors`: the errors
+Serve's HTTP proxy answers by itself, before any ingress replica runs (``max_queued_requests`` of
+the ingress deployment reached: 503; no ingress replica: 503; Serve's own request timeout: 408),
+are plain text in Serve 2.60 (``ray.serve._private.http_util.send_http_response_on_exception``;
+``BackpressureConfig`` sets only their status and ``Retry-After``). The middleware wraps the proxy's
+ASGI app (Serve applies a callback's middlewares around it, ``_apply_middlewares``) and rewrites such
+a response into OpenAI's error object, with ``Retry-After`` on a 503/429. Serve's gRPC proxy has no
+such hook: its own rejections are RESOURCE_EXHAUSTED / UNAVAILABLE with Serve's details and no
+trailers (README, limits).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import os
 from typing import Any
 
@@ -50,11 +62,124 @@ def grpc_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
+log = logging.getLogger("ray.serve").getChild("deltaserve")
+
+#: what a client reads for each of Serve's own errors (Serve's text names its internals)
+_PROXY_MESSAGES = {
+    "overloaded": "the platform is over capacity (the ingress's queue is full); retry later",
+    "unavailable": "no ingress replica is available to serve this request; retry later",
+    "timeout": "the request ran past the platform's HTTP request timeout",
+    "rate_limited": "the platform is over capacity (the ingress's queue is full); retry later",
+    "internal": "internal error in the platform's HTTP proxy",
+}
+
+
+def proxy_error(status: int, serve_text: str, request_id: str):
+    """The :class:`~deployments.gateway.errors.ApiError` a client gets for Serve's own plain-text error
+    ``status`` (its text ``serve_text`` is not shown: Serve's internals)."""
+    from deployments.gateway import errors
+
+    suffix = f" (request id {request_id})" if request_id else ""
+    if status == 503:
+        if "backpressure" in serve_text:
+            return errors.Overloaded(_PROXY_MESSAGES["overloaded"] + suffix, retry_after_s=1.0)
+        return errors.Unavailable(_PROXY_MESSAGES["unavailable"] + suffix, retry_after_s=2.0)
+    if status == 429:
+        err = errors.Overloaded(_PROXY_MESSAGES["rate_limited"] + suffix, retry_after_s=1.0)
+        err.status = 429
+        return err
+    if status in (408, 504):
+        err = errors.DeadlineExceeded(_PROXY_MESSAGES["timeout"] + suffix)
+        err.status = status
+        return err
+    if status >= 500:
+        err = errors.InternalError(_PROXY_MESSAGES["internal"] + suffix)
+        err.status = status
+        return err
+    err = errors.NotFound(serve_text.strip()[:200] or "not found") if status == 404 else \
+        errors.BadRequest(serve_text.strip()[:200] or "bad request")
+    err.status = status
+    return err
+
+
+class OpenAIProxyErrors:
+    """ASGI middleware for Serve's HTTP proxy: a plain-text error response (status >= 400, ``text/plain``:
+    what Serve's proxy sends by itself; the ingress's own errors are JSON) becomes OpenAI's error object
+    (``application/json``) with the same status, ``Retry-After`` (Serve's when it set one, else the error's)
+    and ``x-deltaserve-request-id`` (Serve's request id). A request the proxy fails without answering
+    gets a JSON 500. Serve's own endpoints (``/-/healthz``, ``/-/routes``) are left as they are."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope.get("type") != "http" or scope.get("path", "").startswith("/-/"):
+            await self.app(scope, receive, send)
+            return
+        held: dict | None = None  # the start of a plain-text error, until its body is complete
+        body: list[bytes] = []
+        started = False
+
+        async def rewrite(message) -> None:
+            nonlocal held, started
+            if message["type"] == "http.response.start":
+                started = True
+                headers = {k.lower(): v for k, v in message.get("headers", ())}
+                ctype = headers.get(b"content-type", b"")
+                if message["status"] >= 400 and (not ctype or ctype.startswith(b"text/plain")):
+                    held = message
+                    return
+            elif message["type"] == "http.response.body" and held is not None:
+                body.append(message.get("body", b""))
+                if message.get("more_body", False):
+                    return
+                start, held = held, None
+                await self._send_error(send, start, b"".join(body).decode("utf-8", "replace"))
+                return
+            await send(message)
+
+        try:
+            await self.app(scope, receive, rewrite)
+        except Exception:
+            if started:
+                raise
+            log.exception("Serve's HTTP proxy failed a request before answering it")
+            await self._send_error(send, {"status": 500, "headers": []}, "")
+            return
+        if not started:
+            await self._send_error(send, {"status": 500, "headers": []}, "")
+
+    @staticmethod
+    async def _send_error(send, start: dict, text: str) -> None:
+        headers = {k.lower(): v for k, v in start.get("headers", ())}
+        request_id = headers.get(b"x-request-id", b"").decode("latin-1")
+        err = proxy_error(start["status"], text, request_id)
+        payload = json.dumps(err.error_body()).encode()
+        out = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+        retry = headers.get(b"retry-after") or (err.retry_after_header or "").encode()
+        if retry:
+            out.append((b"retry-after", retry))
+        if request_id:
+            out += [(b"x-request-id", request_id.encode()), (b"x-deltaserve-request-id", request_id.encode())]
+        log.warning("Serve's HTTP proxy answered request %s with %d (%s): sent as %s", request_id or "?",
+                    start["status"], text.strip()[:200], err.code)
+        await send({"type": "http.response.start", "status": start["status"], "headers": out})
+        await send({"type": "http.response.body", "body": payload})
+
+
+def proxy_middlewares() -> list:
+    """The HTTP proxy's middlewares (Starlette ``Middleware`` entries, as Serve's callback must return)."""
+    from starlette.middleware import Middleware
+
+    return [Middleware(OpenAIProxyErrors)]
+
+
 def bind_grpc_to_host() -> list:
     """Serve's HTTP-proxy callback: make this proxy's gRPC server listen on ``$DELTASERVE_GRPC_HOST``
-    (default 127.0.0.1) instead of every interface (see the module docstring). Returns no middlewares.
-    Raises if Serve no longer binds through ``add_grpc_address`` (another Ray version): the proxy then
-    fails to start rather than listen on every interface unnoticed."""
+    (default 127.0.0.1) instead of every interface (see the module docstring), and return the HTTP
+    proxy's middlewares (:func:`proxy_middlewares`). Raises if Serve no longer binds through
+    ``add_grpc_address`` (another Ray version): the proxy then fails to start rather than listen on
+    every interface unnoticed."""
     from ray.serve._private import default_impl
 
     host = os.environ.get(GRPC_HOST_ENV) or "127.0.0.1"
@@ -63,7 +188,7 @@ def bind_grpc_to_host() -> list:
         raise RuntimeError(f"ray.serve._private.default_impl.add_grpc_address is gone in this Ray version: "
                            f"cannot bind Serve's gRPC proxy to {host}")
     if getattr(serve_add, "deltaserve_host", None) is not None:
-        return []
+        return proxy_middlewares()
 
     def add_grpc_address(grpc_server: Any, server_address: str) -> None:
         port = int(server_address.rsplit(":", 1)[1])
@@ -72,7 +197,7 @@ def bind_grpc_to_host() -> list:
 
     add_grpc_address.deltaserve_host = host
     default_impl.add_grpc_address = add_grpc_address
-    return []
+    return proxy_middlewares()
 
 
 class ProxyHealthServicer(health_pb2_grpc.HealthServicer):

@@ -1,9 +1,14 @@
 """The gRPC methods over the real Frontend and in-process k3-tiny replicas (conftest): the same
 limits as HTTP (INVALID_ARGUMENT naming the field), ``n`` choices, logprobs, user text as data,
-errors after the first message and the pool deadline; and ``n`` through a real gRPC client
-against `deltaserve up` (the ``shared_platform`` fixture)."""
+errors after the first message and the pool deadline; ``n`` through a real gRPC client against
+`deltaserve up` (the ``shared_platform`` fixture); and the proxy callback's middleware
+(deployments/gateway/grpc_proxy.py) that gives the errors Serve's HTTP proxy sends by itself
+OpenAI's shape, over Serve's own error responses and on that platform's proxy."""
 
 from __future__ import annotations
+
+import asyncio
+import time
 
 import grpc
 import httpx
@@ -13,6 +18,7 @@ from deployments.gateway.grpc_ingress import GrpcInferenceMixin
 from deployments.proto.deltaserve.v1 import inference_pb2 as pb
 
 from tests.deployments.gateway.conftest import MODEL, SECRET
+from tests.deployments.platform_fixture import MODEL as UP_MODEL_ID
 
 
 class _Ctx:
@@ -200,3 +206,105 @@ def test_n_through_a_real_grpc_client_on_the_platform(shared_platform):
         r = httpx.post(f"{shared_platform.http_url}/v1/completions", headers=shared_platform.auth, timeout=120,
                        json={**common, "n": 9})
         assert r.status_code == 400 and err.value.details().startswith(r.json()["error"]["message"])
+
+
+# -- Serve's own proxy errors (deployments.gateway.grpc_proxy.OpenAIProxyErrors) --------------------------------
+
+
+def _proxy_app_failing_with(exc: BaseException):
+    """An ASGI app that answers as Serve 2.60's HTTP proxy does when routing raised ``exc`` (its own
+    functions), wrapped as Serve wraps the proxy app with the callback's middlewares."""
+    from ray.serve._private.http_util import (_apply_middlewares, get_http_response_status,
+                                              send_http_response_on_exception)
+
+    from deployments.gateway.grpc_proxy import proxy_middlewares
+
+    async def proxy(scope, receive, send):
+        for message in send_http_response_on_exception(get_http_response_status(exc, None, "rid"), False):
+            await send(message)
+
+    return _apply_middlewares(proxy, proxy_middlewares())
+
+
+@pytest.mark.parametrize("exc,status,code,retry", [
+    ("backpressure_503", 503, "overloaded", "7"),
+    ("backpressure_429", 429, "overloaded", "1"),
+    ("unavailable", 503, "service_unavailable", "2"),
+    ("timeout", 408, "timeout", None),
+])
+def test_serve_s_own_proxy_errors_are_openai_errors(exc, status, code, retry):
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+    raised = {"backpressure_503": BackPressureError(5, 4, 503, 6.5), "backpressure_429": BackPressureError(5, 4, 429),
+              "unavailable": DeploymentUnavailableError("ingress"), "timeout": TimeoutError()}[exc]
+    app = _proxy_app_failing_with(raised)
+
+    async def call():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as c:
+            return await c.post("/v1/completions", json={})
+
+    r = asyncio.run(call())
+    assert r.status_code == status and r.headers["content-type"] == "application/json", r.text
+    err = r.json()["error"]
+    assert err["code"] == code and err["type"] == "server_error" and set(err) == {"message", "type", "param", "code"}
+    assert "backpressure" not in err["message"] and "num_queued" not in err["message"]  # no Serve internals
+    assert r.headers.get("retry-after") == retry  # Serve's (6.5 s rounded up) when it sets one, else ours
+    rid = r.headers["x-request-id"]
+    assert r.headers["x-deltaserve-request-id"] == rid and rid in err["message"]
+
+
+def test_the_proxy_s_health_endpoints_and_json_errors_are_left_alone():
+    from ray.serve._private.http_util import _apply_middlewares
+
+    from deployments.gateway.grpc_proxy import proxy_middlewares
+
+    async def app(scope, receive, send):
+        ctype = b"text/plain" if scope["path"].startswith("/-/") else b"application/json"
+        await send({"type": "http.response.start", "status": 503, "headers": [(b"content-type", ctype)]})
+        await send({"type": "http.response.body", "body": b"draining" if ctype == b"text/plain" else b'{"error": 1}'})
+
+    wrapped = _apply_middlewares(app, proxy_middlewares())
+
+    async def call(path):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=wrapped), base_url="http://proxy") as c:
+            return await c.get(path)
+
+    assert asyncio.run(call("/-/healthz")).text == "draining"
+    assert asyncio.run(call("/v1/models")).json() == {"error": 1}
+
+
+def test_the_platform_s_proxy_answers_its_own_503_as_openai_error(shared_platform):
+    """Serve's HTTP proxy under `deltaserve up` (its callback installs the middleware): an application
+    whose one replica holds one request and whose queue holds one more; a burst past that is rejected
+    by the proxy itself (BackPressureError), as the ingress would be past ingress_max_queued_requests."""
+    import concurrent.futures as cf
+
+    from ray import serve
+
+    from tests.deployments.platform_fixture import ray_driver
+
+    @serve.deployment(max_ongoing_requests=1, max_queued_requests=1, ray_actor_options={"num_cpus": 0})
+    class Slow:
+        async def __call__(self, request):
+            import asyncio as aio
+
+            await aio.sleep(3)
+            return "ok"
+
+    with ray_driver(shared_platform):
+        serve.run(Slow.bind(), name="proxy-503", route_prefix="/proxy-503", blocking=False)
+        try:
+            deadline = time.monotonic() + 120
+            while serve.status().applications["proxy-503"].status != "RUNNING":
+                assert time.monotonic() < deadline, serve.status().applications["proxy-503"]
+                time.sleep(0.5)
+            with cf.ThreadPoolExecutor(6) as ex:
+                rs = list(ex.map(lambda _: httpx.get(f"{shared_platform.http_url}/proxy-503", timeout=60), range(6)))
+            shed = [r for r in rs if r.status_code == 503]
+            assert shed and {r.status_code for r in rs} <= {200, 503}, [(r.status_code, r.text) for r in rs]
+            for r in shed:
+                assert r.headers["content-type"] == "application/json" and int(r.headers["retry-after"]) >= 1, r.text
+                assert r.json()["error"]["code"] == "overloaded" and r.json()["error"]["type"] == "server_error"
+        finally:
+            serve.delete("proxy-503")
+    assert shared_platform.greedy(UP_MODEL_ID)  # the platform's own application is untouched

@@ -33,8 +33,11 @@ are plain text in Serve 2.60 (``ray.serve._private.http_util.send_http_response_
 ``BackpressureConfig`` sets only their status and ``Retry-After``). The middleware wraps the proxy's
 ASGI app (Serve applies a callback's middlewares around it, ``_apply_middlewares``) and rewrites such
 a response into OpenAI's error object, with ``Retry-After`` on a 503/429. Serve's gRPC proxy has no
-such hook: its own rejections are RESOURCE_EXHAUSTED / UNAVAILABLE with Serve's details and no
-trailers (README, limits).
+middleware option; its own rejections (RESOURCE_EXHAUSTED for back-pressure, UNAVAILABLE with no
+replica) carry Serve's text and no trailers. :func:`add_inference_servicer` wraps the proxy server's
+``service_handler_factory`` (the function Serve builds every routed handler from) so that such a
+status leaves with this platform's details and the trailers the ingress's own errors carry
+(``x-deltaserve-error-code``, ``retry-after``, ``x-deltaserve-request-id``).
 """
 
 from __future__ import annotations
@@ -231,14 +234,66 @@ class ProxyHealthServicer(health_pb2_grpc.HealthServicer):
         return response
 
 
+MD_ERROR_CODE, MD_RETRY_AFTER, MD_REQUEST_ID = "x-deltaserve-error-code", "retry-after", "x-deltaserve-request-id"
+
+
+def _shape_serve_status(context: Any) -> None:
+    """A RESOURCE_EXHAUSTED / UNAVAILABLE that Serve's gRPC proxy set itself (no ``x-deltaserve-error-code``
+    trailer: the ingress sets one on each of its errors) gets this platform's details and trailers."""
+    code = context.code()
+    name = getattr(code, "name", None)
+    if name not in ("RESOURCE_EXHAUSTED", "UNAVAILABLE"):
+        return
+    trailers = list(context.trailing_metadata() or ())
+    if any(k == MD_ERROR_CODE for k, _ in trailers):
+        return
+    request_id = next((v for k, v in trailers if k == "request_id"), "")
+    err = proxy_error(503, "backpressure" if name == "RESOURCE_EXHAUSTED" else "", request_id)
+    context.set_details(err.message)
+    context.set_trailing_metadata([*trailers, (MD_ERROR_CODE, str(err.code)), (MD_RETRY_AFTER, err.retry_after_header),
+                                   *([(MD_REQUEST_ID, request_id)] if request_id else [])])
+    log.warning("Serve's gRPC proxy answered request %s with %s: sent as %s", request_id or "?", name, err.code)
+
+
+def _shaping_factory(factory: Any) -> Any:
+    """Serve's ``service_handler_factory``, its unary and server-streaming handlers followed by
+    :func:`_shape_serve_status`."""
+
+    def make(service_method: str, streaming_type: Any) -> Any:
+        handler = factory(service_method=service_method, streaming_type=streaming_type)
+        kind = getattr(streaming_type, "name", str(streaming_type))
+        if kind == "UNARY_UNARY":
+            async def unary_unary(request_proto: Any, context: Any) -> Any:
+                response = await handler(request_proto, context)
+                _shape_serve_status(context)
+                return response
+
+            return unary_unary
+        if kind == "UNARY_STREAM":
+            async def unary_stream(request_proto: Any, context: Any) -> Any:
+                async for message in handler(request_proto, context):
+                    yield message
+                _shape_serve_status(context)
+
+            return unary_stream
+        return handler
+
+    make.deltaserve_shaped = True
+    return make
+
+
 def add_inference_servicer(servicer: Any, server: Any) -> None:
     """Servicer function for Serve's ``gRPCOptions.grpc_servicer_functions``.
 
     ``servicer`` is whatever Serve passes (a Mock: Serve replaces the Inference handlers
     with its replica-routing ones); ``server`` is Serve's ``gRPCGenericServer``. On a plain
     ``grpc.aio`` server (no ``add_passthrough_service``) this registers ``servicer`` for
-    Inference and the health service as they are.
+    Inference and the health service as they are. On Serve's server, the routed handlers it builds from
+    then on report Serve's own rejections as this platform's errors (:func:`_shaping_factory`).
     """
+    factory = getattr(server, "service_handler_factory", None)
+    if factory is not None and not getattr(factory, "deltaserve_shaped", False):
+        server.service_handler_factory = _shaping_factory(factory)
     pb_grpc.add_InferenceServicer_to_server(servicer, server)
     mark_passthrough = getattr(server, "add_passthrough_service", None)
     if mark_passthrough is not None:

@@ -291,6 +291,14 @@ def test_the_platform_s_proxy_answers_its_own_503_as_openai_error(shared_platfor
             await aio.sleep(3)
             return "ok"
 
+        async def Generate(self, request):  # the gRPC proxy's route (application metadata "proxy-503")
+            import asyncio as aio
+
+            from deployments.proto.deltaserve.v1 import inference_pb2
+
+            await aio.sleep(3)
+            return inference_pb2.GenerateResponse(text="ok")
+
     with ray_driver(shared_platform):
         serve.run(Slow.bind(), name="proxy-503", route_prefix="/proxy-503", blocking=False)
         try:
@@ -305,6 +313,25 @@ def test_the_platform_s_proxy_answers_its_own_503_as_openai_error(shared_platfor
             for r in shed:
                 assert r.headers["content-type"] == "application/json" and int(r.headers["retry-after"]) >= 1, r.text
                 assert r.json()["error"]["code"] == "overloaded" and r.json()["error"]["type"] == "server_error"
+            # the gRPC proxy's own RESOURCE_EXHAUSTED: this platform's details and trailers (as the ingress's errors)
+            from deployments.proto.deltaserve.v1 import inference_pb2_grpc as pb_grpc
+
+            def call(_):
+                with grpc.insecure_channel(shared_platform.grpc_target) as channel:
+                    try:
+                        pb_grpc.InferenceStub(channel).Generate(pb.GenerateRequest(), timeout=60,
+                                                                 metadata=(("application", "proxy-503"),))
+                        return grpc.StatusCode.OK, "", {}
+                    except grpc.RpcError as e:
+                        return e.code(), e.details(), dict(e.trailing_metadata() or ())
+
+            with cf.ThreadPoolExecutor(6) as ex:
+                calls = list(ex.map(call, range(6)))
+            rejected = [c for c in calls if c[0] is grpc.StatusCode.RESOURCE_EXHAUSTED]
+            assert rejected and {c[0] for c in calls} <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, calls
+            for _, details, trailers in rejected:
+                assert "backpressure" not in details and "over capacity" in details, details
+                assert trailers["x-deltaserve-error-code"] == "overloaded" and int(trailers["retry-after"]) >= 1
         finally:
             serve.delete("proxy-503")
     assert shared_platform.greedy(UP_MODEL_ID)  # the platform's own application is untouched

@@ -1,13 +1,18 @@
 """asyncio front of an :class:`Engine` for Serve replicas.
 
-A background task runs ``engine.step()`` in a worker thread while there is work and sleeps
-on an :class:`asyncio.Event` otherwise; each step's outputs are routed to per-request
-queues. Every engine call (add, abort, step, has_unfinished) holds one lock, so the event
-loop and the step thread never touch the engine at once. New requests are queued on the
-loop and added by the step thread right before its next step: every request that arrived
-during a step joins the next one (adding each in a worker thread of its own would park one
-thread per arrival on the lock, and asyncio's small default pool admitted only a few per
-step), and the loop is never blocked behind a step. Aborts run in worker threads.
+While there is work, one thread steps the engine back to back (``engine.step()`` after
+``engine.step()``) and hands each step's outputs to the event loop
+(``loop.call_soon_threadsafe``), which routes them to per-request queues; with no work left the
+thread returns and a background task sleeps on an :class:`asyncio.Event` until a request
+arrives. The steps never wait for the event loop: a loop busy with other work (arriving
+handoffs, Serve's messages, the streams' chunks) delays only the delivery of outputs, not the
+next step, and there is no loop → thread → loop wake-up per step (on a CPU shared with other
+processes each wake-up can wait for a time slice). Every engine call (add, abort, step,
+has_unfinished) holds one lock, so the event loop and the step thread never touch the engine at
+once. New requests and aborts are queued on the loop and taken by the step thread right before
+its next step: every request that arrived during a step joins the next one (adding each in a
+worker thread of its own would park one thread per arrival on the lock, and asyncio's small
+default pool admitted only a few per step), and the loop is never blocked behind a step.
 
     async with contextlib.aclosing(async_engine.generate(req)) as outputs:
         async for out in outputs:
@@ -93,6 +98,8 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}  # per live generator
         self._batchers: dict[str, StreamBatcher] = {}  # per live generator with a stream interval
         self._adds: list[tuple[GenerationRequest, dict[str, Any], asyncio.Future[None]]] = []  # for the next step
+        self._aborts: list[tuple[str, asyncio.Future[None]]] = []  # request ids to abort before the next step
+        self._pending = threading.Lock()  # guards _adds and _aborts (the loop appends, the step thread takes)
         self._wake: asyncio.Event | None = None  # set when work may have arrived; made on the running loop
         self._loop_task: asyncio.Task[None] | None = None
         self._error: EngineBroken | None = None  # why the engine stopped for good
@@ -121,7 +128,8 @@ class AsyncEngine:
         if batcher is not None:
             self._batchers[rid] = batcher
         added: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._adds.append((req, add_kwargs, added))
+        with self._pending:
+            self._adds.append((req, add_kwargs, added))
         self._wake.set()  # type: ignore[union-attr]  # made by _start
         finished = False
         try:
@@ -149,6 +157,7 @@ class AsyncEngine:
             self._wake.set()  # type: ignore[union-attr]
             await self._loop_task
         self._fail_adds(RuntimeError("AsyncEngine was shut down"))
+        self._end_aborts()
         for queue in self._queues.values():
             queue.put_nowait(RuntimeError("AsyncEngine was shut down"))
         self._step_thread.shutdown(wait=False)
@@ -191,39 +200,62 @@ class AsyncEngine:
             self._stop(broken)
 
     async def _steps(self, wake: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
         while not self._closed:
             wake.clear()
             if self.gather_wait_s and self._adds and not self._call(self.engine.has_unfinished):
                 await self._gather(wake)
-            adds, self._adds = self._adds, []
-            if not adds and not self._call(self.engine.has_unfinished):
+            if not self._adds and not self._aborts and not self._call(self.engine.has_unfinished):
                 await wake.wait()
                 continue
-            errors, outputs, failure = await asyncio.get_running_loop().run_in_executor(
-                self._step_thread, self._add_and_step, [(r, kw) for r, kw, _ in adds])
-            for (_, _, added), err in zip(adds, errors):
-                if not added.done():  # done: its caller was cancelled
-                    added.set_result(None) if err is None else added.set_exception(err)
-            if isinstance(failure, EngineStepError):
-                for rid in failure.request_ids:
-                    if (queue := self._queues.get(rid)) is not None:
-                        queue.put_nowait(failure)
-            if failure is not None and self.engine.broken is not None:
-                self._stop(self.engine.broken)
+            broken = await loop.run_in_executor(self._step_thread, self._step_until_idle, loop)
+            if broken is not None:
+                self._stop(broken)
                 return
+
+    def _step_until_idle(self, loop: asyncio.AbstractEventLoop) -> EngineBroken | None:
+        """In the step thread: take the queued aborts and adds, step, hand the outputs to the loop, and again,
+        until there is nothing left to do (None) or the engine broke (the EngineBroken to stop with)."""
+        self._lower_priority()
+        while not self._closed:
+            with self._pending:
+                adds, self._adds = self._adds, []
+                aborts, self._aborts = self._aborts, []
+            errors, outputs, failure, stepped = self._add_and_step([(r, kw) for r, kw, _ in adds], [r for r, _ in aborts])
+            if adds or aborts or stepped:
+                loop.call_soon_threadsafe(self._deliver, adds, errors, aborts, outputs, failure)
+            if failure is not None and self.engine.broken is not None:
+                return self.engine.broken
             if failure is not None and not isinstance(failure, EngineStepError):  # Engine.step has no other failure: a bug
                 broken = EngineBroken(f"engine step raised {failure!r}")
                 broken.__cause__ = failure
-                self._stop(broken)
-                return
-            now = time.monotonic()
-            for out in outputs:
-                queue = self._queues.get(out.request_id)
-                if queue is None:  # its consumer is gone (aborted)
-                    continue
-                batcher = self._batchers.get(out.request_id)
-                if batcher is None or (out := batcher.push(out, now)) is not None:
-                    queue.put_nowait(out)
+                return broken
+            if not stepped:
+                return None
+        return None
+
+    def _deliver(self, adds: list[tuple[GenerationRequest, dict[str, Any], asyncio.Future[None]]],
+                 errors: list[Exception | None], aborts: list[tuple[str, asyncio.Future[None]]],
+                 outputs: list[RequestOutput], failure: Exception | None) -> None:
+        """On the loop: one step's results to the callers (the adds' and aborts' futures, the outputs' queues)."""
+        for (_, _, added), err in zip(adds, errors):
+            if not added.done():  # done: its caller was cancelled
+                added.set_result(None) if err is None else added.set_exception(err)
+        for _, done in aborts:
+            if not done.done():
+                done.set_result(None)
+        if isinstance(failure, EngineStepError):
+            for rid in failure.request_ids:
+                if (queue := self._queues.get(rid)) is not None:
+                    queue.put_nowait(failure)
+        now = time.monotonic()
+        for out in outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is None:  # its consumer is gone (aborted)
+                continue
+            batcher = self._batchers.get(out.request_id)
+            if batcher is None or (out := batcher.push(out, now)) is not None:
+                queue.put_nowait(out)
 
     async def _gather(self, wake: asyncio.Event) -> None:
         """Wait while requests keep arriving at an idle engine (see the module docstring)."""
@@ -236,11 +268,13 @@ class AsyncEngine:
             except TimeoutError:
                 return  # nothing arrived for a gap
 
-    def _add_and_step(self, adds: list[tuple[GenerationRequest, dict[str, Any]]]) -> tuple[list[Exception | None], list[RequestOutput], Exception | None]:
-        """In the step thread: add the queued requests, then step once if there is work; each
-        add's error (None when added), the step's outputs, and the step's exception."""
-        self._lower_priority()
+    def _add_and_step(self, adds: list[tuple[GenerationRequest, dict[str, Any]]], aborts: list[str]) -> tuple[
+            list[Exception | None], list[RequestOutput], Exception | None, bool]:
+        """In the step thread: abort ``aborts``, add ``adds``, then step once if there is work; each add's error
+        (None when added), the step's outputs, the step's exception, and whether there was a step to run."""
         with self._lock:
+            for rid in aborts:
+                self.engine.abort(rid)
             errors: list[Exception | None] = []
             for req, kwargs in adds:
                 try:
@@ -248,10 +282,12 @@ class AsyncEngine:
                     errors.append(None)
                 except Exception as e:  # bad input: raised to that request's caller
                     errors.append(e)
+            if not self.engine.has_unfinished():
+                return errors, [], None, False
             try:
-                return errors, self.engine.step() if self.engine.has_unfinished() else [], None
+                return errors, self.engine.step(), None, True
             except Exception as e:
-                return errors, [], e
+                return errors, [], e, True
 
     def _lower_priority(self) -> None:
         """Put the calling (step) thread at ``step_nice`` once; never raises it back (that needs privileges)."""
@@ -269,23 +305,34 @@ class AsyncEngine:
         """The engine is broken: fail every waiting caller with ``error``, step no more."""
         self._error = error
         self._fail_adds(error)
+        self._end_aborts()
         for queue in self._queues.values():
             queue.put_nowait(error)
 
     def _unqueue(self, added: asyncio.Future[None]) -> bool:
         """Take a request whose add is still queued off the queue (True), so it never reaches the engine."""
-        for i, (_, _, fut) in enumerate(self._adds):
-            if fut is added:
-                del self._adds[i]
-                return True
+        with self._pending:
+            for i, (_, _, fut) in enumerate(self._adds):
+                if fut is added:
+                    del self._adds[i]
+                    return True
         return False
 
     def _fail_adds(self, error: BaseException) -> None:
         """Requests queued for a step that will never come: their callers raise ``error``."""
-        adds, self._adds = self._adds, []
+        with self._pending:
+            adds, self._adds = self._adds, []
         for _, _, added in adds:
             if not added.done():
                 added.set_exception(error)
+
+    def _end_aborts(self) -> None:
+        """Aborts queued for a step that will never come: their callers stop waiting (nothing runs any more)."""
+        with self._pending:
+            aborts, self._aborts = self._aborts, []
+        for _, done in aborts:
+            if not done.done():
+                done.set_result(None)
 
     async def _abort_once_added(self, added: asyncio.Future[None], rid: str) -> None:
         """Abort ``rid`` after its add has landed; nothing when the add failed or the engine is dead."""
@@ -293,5 +340,9 @@ class AsyncEngine:
             await asyncio.shield(added)
         except Exception:
             return  # the add raised: that error is already on its way to the caller
-        if self._error is None:
-            await asyncio.shield(asyncio.to_thread(self._call, self.engine.abort, rid))
+        if self._error is None and not self._closed:
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            with self._pending:
+                self._aborts.append((rid, done))  # taken by the step thread before its next step
+            self._wake.set()  # type: ignore[union-attr]  # made by _start (generate ran)
+            await asyncio.shield(done)

@@ -8,6 +8,7 @@ difference is accepted (the rest of that sequence is then not compared), counted
 import asyncio
 import contextlib
 import itertools
+import time
 from collections import defaultdict
 
 import pytest
@@ -532,6 +533,27 @@ def test_async_engine_rejects_duplicates_and_bad_requests(model, tok):
 
     asyncio.run(main())
 
+
+
+def test_async_engine_keeps_stepping_while_the_event_loop_is_blocked(model, tok):
+    """The step thread steps back to back and only hands outputs to the loop: a loop blocked for 0.5 s
+    (a burst of arriving handoffs, say) stops no step, and the tokens of those steps arrive merged."""
+    async def main():
+        aengine = AsyncEngine(make_engine(model, tok))
+        steps = spy_schedule(aengine.engine)
+        agen = aengine.generate(request("busy", prompt(8, 60), 400), coalesce=True)
+        await agen.__anext__()
+        before = len(steps)
+        time.sleep(0.5)  # the loop does nothing else meanwhile
+        during = len(steps) - before
+        out = await agen.__anext__()
+        await agen.aclose()
+        await aengine.shutdown()
+        return during, out
+
+    during, out = asyncio.run(main())
+    assert during >= 5, f"only {during} steps ran while the loop was blocked for 0.5 s"
+    assert len(out.new_token_ids) >= 5, "the blocked steps' tokens did not arrive merged in one output"
 
 
 def test_async_engine_gathers_a_burst_at_an_idle_engine_into_one_step(model, tok):

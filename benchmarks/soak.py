@@ -19,6 +19,13 @@ restart: Serve starts a new one) once another is running. Reported: good request
 responses >= 500, completed good streams whose text differs from the undisturbed run, and each
 replica's resident memory after warm-up vs at the end. Writes the figures to stdout as a last
 JSON line.
+
+``--tracemalloc N`` starts the platform with ``$DELTASERVE_TRACEMALLOC=N``: the ingress replica traces
+its Python allocations (N frames each, from its start); the soak marks its traced heap after the
+warm-up and reports, at the end, the heap's size against that mark and the allocation sites that
+grew most (``Ingress.memory_mark`` / ``memory_growth``): what tells growth of Python objects from
+the allocator's working size. Tracing slows the ingress; its figures are not comparable to a run
+without it.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import tempfile
@@ -295,7 +303,15 @@ def main() -> int:
                     help="the same load, kills included, before memory is read: long enough for every replica's "
                          "allocator to reach its working size (the first failovers, the largest batches)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES",
+                    help="trace the ingress replica's Python allocations with this many frames each (0: off)")
     args = ap.parse_args()
+    if args.tracemalloc:
+        from deployments.gateway.ingress import TRACEMALLOC_ENV
+
+        os.environ[TRACEMALLOC_ENV] = str(args.tracemalloc)  # `deltaserve up` and the Ray it starts inherit it
+    traced_warm: dict | None = None
+    traced_end: dict | None = None
 
     with tempfile.TemporaryDirectory(prefix="soak_") as tmp, \
             start_platform(Path(tmp), "--replicas", "decode-standard=2", cache=True) as platform, ray_driver(platform):
@@ -313,6 +329,11 @@ def main() -> int:
         warm_killer.join()
         rss_warm = {a["name"]: (a["class"], _rss_kib(a["pid"])) for a in _replica_actors()}
         lru_warm = _lru_kib(platform)
+        if args.tracemalloc:
+            from ray import serve
+
+            ingress = serve.get_deployment_handle("ingress", app_name="deltaserve")
+            traced_warm = ingress.memory_mark.remote().result(timeout_s=300)
         print(f"warm-up: {warm.good} good ({len(warm.good_failed)} failed, {warm.good_mismatched} not identical), "
               f"{warm.bad} bad, {len(warm.server_errors)} >= 500, {len(warm.kills)} kills", flush=True)
 
@@ -333,6 +354,8 @@ def main() -> int:
         time.sleep(10)  # the last streams and their failovers drain
         rss_end = {a["name"]: (a["class"], _rss_kib(a["pid"])) for a in _replica_actors()}
         lru_end = _lru_kib(platform)
+        if args.tracemalloc:
+            traced_end = ingress.memory_growth.remote(15).result(timeout_s=600)
         for m in counts.mismatches:  # what the platform logged about each stream that differs
             m["log"] = _log_lines(m["request_id"])
         failovers = None
@@ -395,11 +418,20 @@ def main() -> int:
     for name in sorted(n for n, (_, v) in rss_warm.items() if v and n in rss_end):
         points = [f"{t:.0f}s {sample[name] / 1024:.0f}" for t, sample in timeline if name in sample]
         print(f"  {name.split('#')[1]:18s} warm {rss_warm[name][1]['anon'] / 1024:.0f} | {' | '.join(points)}")
+    if traced_end and traced_end.get("tracing") and traced_warm:
+        print(f"ingress Python heap (tracemalloc, {args.tracemalloc} frames): {traced_warm['traced_kib'] / 1024:.1f} MiB "
+              f"after warm-up -> {traced_end['traced_kib'] / 1024:.1f} MiB at the end (peak {traced_end['peak_kib'] / 1024:.1f}"
+              f" MiB); the sites that grew most:")
+        for g in traced_end["growth"]:
+            print(f"  {g['size_diff_kib']:+9.1f} KiB {g['count_diff']:+7d} blocks (now {g['size_kib']:.1f} KiB)  "
+                  f"{' <- '.join(line.strip() for line in reversed(g['where']) if line.strip())[:400]}")
     print(f"Reproduce: {COMMAND} --clients {args.clients} --duration-s {args.duration_s:.0f} "
-          f"--kill-every-s {args.kill_every_s:.0f} --seed {args.seed}")
+          f"--kill-every-s {args.kill_every_s:.0f} --seed {args.seed}"
+          + (f" --tracemalloc {args.tracemalloc}" if args.tracemalloc else ""))
     summary = {k: v for k, v in asdict(counts).items() if k not in ("good_failed", "server_errors", "mismatches")}
     summary.update(good_failed=len(counts.good_failed), server_errors=len(counts.server_errors), completed=completed,
-                   memory=memory, wall_s=round(wall, 1), failovers=failovers, statuses=dict(counts.statuses))
+                   memory=memory, wall_s=round(wall, 1), failovers=failovers, statuses=dict(counts.statuses),
+                   traced_warm=traced_warm, traced_end=traced_end)
     print(json.dumps(summary, default=str))
     grew = [m["replica"] for m in memory if m["anon_growth"] is not None and abs(m["anon_growth"]) > MEMORY_TOLERANCE]
     if grew:

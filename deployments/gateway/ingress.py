@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import os
+import tracemalloc
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -21,10 +24,19 @@ from deployments.tenancy.pricing import prices_of
 from deployments.workers.replica import redis_url, replica_id
 
 
+#: frames kept per traced allocation; set (in the environment Ray starts with), the ingress replica traces
+#: its Python allocations from its start and answers memory_mark / memory_growth (benchmarks/soak.py --tracemalloc)
+TRACEMALLOC_ENV = "DELTASERVE_TRACEMALLOC"
+
+
 class Ingress(IngressRoutes, GrpcInferenceMixin):
     def __init__(self, config: PlatformConfig, prefill: dict, decode: dict, cache_admin: DeploymentHandle | None = None) -> None:
         from model import load_tokenizer
 
+        frames = int(os.environ.get(TRACEMALLOC_ENV) or 0)
+        if frames > 0 and not tracemalloc.is_tracing():
+            tracemalloc.start(frames)
+        self._memory_baseline: tracemalloc.Snapshot | None = None
         tracing.setup_tracing("deltaserve-ingress", memory=config.trace_memory, instance=replica_id(),
                               attributes={"deltaserve.component": "ingress"})
         metrics.set_enabled(config.metrics.enabled)
@@ -75,6 +87,32 @@ class Ingress(IngressRoutes, GrpcInferenceMixin):
         ledger = getattr(self, "ledger", None)
         if ledger is not None:
             ledger.close()
+
+    def memory_mark(self) -> dict:
+        """The baseline :meth:`memory_growth` compares with: Python's traced heap now (after a full collection).
+        Needs ``$DELTASERVE_TRACEMALLOC`` (else ``{"tracing": False}``)."""
+        if not tracemalloc.is_tracing():
+            return {"tracing": False}
+        gc.collect()
+        self._memory_baseline = tracemalloc.take_snapshot()
+        current, peak = tracemalloc.get_traced_memory()
+        return {"tracing": True, "traced_kib": current // 1024, "peak_kib": peak // 1024}
+
+    def memory_growth(self, top: int = 15) -> dict:
+        """Python's traced heap now against :meth:`memory_mark`'s (after a full collection): the total and the
+        ``top`` allocation sites (file:line, with their callers) that grew most."""
+        if not tracemalloc.is_tracing() or self._memory_baseline is None:
+            return {"tracing": tracemalloc.is_tracing(), "marked": self._memory_baseline is not None}
+        gc.collect()
+        snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
+        base = self._memory_baseline.filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
+        current, peak = tracemalloc.get_traced_memory()
+        stats = snap.compare_to(base, "traceback")
+        return {"tracing": True, "traced_kib": current // 1024, "peak_kib": peak // 1024,
+                "baseline_kib": sum(t.size for t in base.traces) // 1024,
+                "growth": [{"size_diff_kib": round(st.size_diff / 1024, 1), "count_diff": st.count_diff,
+                            "size_kib": round(st.size / 1024, 1), "where": st.traceback.format()[-8:]}
+                           for st in stats[:top]]}
 
     def failovers(self) -> int:
         """Streams this ingress resumed on another replica after a failure."""

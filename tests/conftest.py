@@ -37,6 +37,18 @@ def in_ci() -> bool:
 torch.set_num_threads(1)  # the CI machine has 2 cores shared by the test process and Ray workers
 
 
+def stop_local_cluster() -> None:
+    """Stop the local Ray cluster this process started, Serve with it, without Serve's graceful drain:
+    a fixture's teardown tests nothing, and the drain waits out each replica's shutdown loop (and up to
+    ``graceful_shutdown_timeout_s`` for requests a test left open). ``ray.shutdown()`` kills the
+    cluster's processes; the Serve client cached in this process is dropped with it."""
+    import ray
+    from ray.serve.context import _set_global_client
+
+    ray.shutdown()
+    _set_global_client(None)
+
+
 @contextlib.contextmanager
 def local_ray_env():
     """Environment for a throwaway local Ray cluster: token auth with a fresh token (Ray 2.60's

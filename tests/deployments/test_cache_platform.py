@@ -26,7 +26,7 @@ from deployments.config import PlatformConfig
 from deployments.tenancy import TenantRegistry
 from model import load_model, load_tokenizer
 from model.tokenizer import encode_chat
-from tests.conftest import local_ray_env
+from tests.conftest import local_ray_env, stop_local_cluster
 
 MODEL = "k3-tiny"  # the trained model: it writes ASCII, so its output text re-encodes to its tokens
 BLOCK = 32
@@ -37,8 +37,6 @@ NEAR_TIES: list[str] = []
 
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory):
-    import ray
-    from ray import serve
 
     from deployments.cli.up import start
 
@@ -59,8 +57,7 @@ def platform(tmp_path_factory):
     start(a, app_name="a", extra_apps=[("b", "/b", b)])
     yield {"redis": redis, "store": RedisStore(redis.url, timeout_s=2.0), "alice": alice, "bob": bob,
            "http": f"http://127.0.0.1:{a.http_port}", "grpc": f"127.0.0.1:{a.grpc_port}"}
-    serve.shutdown()
-    ray.shutdown()
+    stop_local_cluster()
     env.__exit__(None, None, None)
     redis.stop()
     print(f"\n[test_cache_platform] near-ties accepted: {len(NEAR_TIES)} {NEAR_TIES}")

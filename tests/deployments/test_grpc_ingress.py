@@ -32,6 +32,7 @@ from deployments.gateway.grpc_ingress import (  # noqa: E402
 )
 from deployments.proto.deltaserve.v1 import inference_pb2 as pb  # noqa: E402
 from deployments.proto.deltaserve.v1 import inference_pb2_grpc as pb_grpc  # noqa: E402
+from tests.conftest import stop_local_cluster  # noqa: E402
 
 GOOD_KEY = "sk-test-good"
 SERVICE = "deltaserve.v1.Inference"
@@ -301,9 +302,8 @@ def grpc_target():
         yield target
     finally:
         try:
-            serve.shutdown()
+            stop_local_cluster()
         finally:
-            ray.shutdown()
             ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
             for k, v in saved.items():
                 if v is None:

@@ -10,7 +10,6 @@ import json
 import pickle
 
 import httpx
-import pytest
 
 from deployments.workers.handoff import SERVE_DEFAULT_GRPC_LIMIT, grpc_message_limit
 from deployments.workers.messages import DecodeRequest, PrefillRequest, PrefillResult
@@ -47,24 +46,33 @@ def test_the_largest_handoff_fits_the_grpc_limit_every_deployment_gets():
         assert SERVE_DEFAULT_GRPC_LIMIT < size <= limit, (size, limit)
 
 
-@pytest.mark.parametrize("actor_calls", [False, True], ids=["throughput-optimized", "actor-calls"])
-def test_a_prompt_at_the_full_context_streams_through_deltaserve_up(tmp_path, actor_calls):
-    key = "ds-long-prompt-key-0123456789abcdef"
+def _streams_the_full_context(http_url: str, key: str) -> None:
     prompt = _full_context_prompt()
-    with deltaserve_up(["--tenants", str(tmp_path / "tenants.yaml"), "--no-cache"] + ["--serve-actor-calls"] * actor_calls,
+    body = {"model": "k3-tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    events = []
+    with httpx.stream("POST", f"{http_url}/v1/completions", json=body, timeout=600,
+                      headers={"Authorization": f"Bearer {key}"}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+    assert events[-1] == "[DONE]", events[-3:]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert not [c for c in chunks if "error" in c], chunks
+    usage = chunks[-1]["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (CONTEXT - MAX_TOKENS, MAX_TOKENS)
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+
+
+def test_a_prompt_at_the_full_context_streams_through_deltaserve_up(shared_platform):
+    """Serve's throughput-optimized mode (`deltaserve up`'s default; the shared platform runs it,
+    without the cache, its tenant's context 8,192)."""
+    _streams_the_full_context(shared_platform.http_url, shared_platform.key)
+
+
+def test_a_prompt_at_the_full_context_streams_through_deltaserve_up_with_actor_calls(tmp_path):
+    key = "ds-long-prompt-key-0123456789abcdef"
+    with deltaserve_up(["--tenants", str(tmp_path / "tenants.yaml"), "--no-cache", "--serve-actor-calls"],
                        env={"DELTASERVE_API_KEY": key}) as up:
-        body = {"model": "k3-tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
-                "ignore_eos": True, "stream_options": {"include_usage": True}}
-        events = []
-        with httpx.stream("POST", f"http://127.0.0.1:{up.http_port}/v1/completions", json=body, timeout=600,
-                          headers={"Authorization": f"Bearer {key}"}) as r:
-            assert r.status_code == 200, r.read()
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[len("data: "):])
-        assert events[-1] == "[DONE]", events[-3:]
-        chunks = [json.loads(e) for e in events[:-1]]
-        assert not [c for c in chunks if "error" in c], chunks
-        usage = chunks[-1]["usage"]
-        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (CONTEXT - MAX_TOKENS, MAX_TOKENS)
-        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+        _streams_the_full_context(f"http://127.0.0.1:{up.http_port}", key)

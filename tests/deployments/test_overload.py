@@ -13,14 +13,13 @@ import pytest
 from cache_service import find_free_port
 from deployments.config import CacheConfig, PlatformConfig, PoolConfig
 from deployments.tenancy import TenantRegistry
-from tests.conftest import local_ray_env
+from tests.conftest import local_ray_env, stop_local_cluster
 
 QUEUE_TIMEOUT_S = 3.0
 
 
 @pytest.fixture(scope="module")
 def overload(tmp_path_factory):
-    import ray
     from ray import serve
     from ray.serve._private.api import _get_global_client
 
@@ -54,8 +53,7 @@ def overload(tmp_path_factory):
         assert time.monotonic() < deadline, f"nodecode's ingress and prefill not running: {states}"
         time.sleep(1)
     yield {"http": f"http://127.0.0.1:{config.http_port}", "key": key}
-    serve.shutdown()
-    ray.shutdown()
+    stop_local_cluster()
     env.__exit__(None, None, None)
 
 

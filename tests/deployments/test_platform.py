@@ -20,7 +20,7 @@ from deployments.tenancy import TenantRegistry
 from model import load_model, load_tokenizer
 from model.runner import ModelRunner, generate
 from cache_service import find_free_port
-from tests.conftest import local_ray_env
+from tests.conftest import local_ray_env, stop_local_cluster
 
 MODEL = "tiny-k3"
 
@@ -28,8 +28,6 @@ MODEL = "tiny-k3"
 
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory):
-    import ray
-    from ray import serve
 
     from deployments.cli.up import start
 
@@ -51,8 +49,7 @@ def platform(tmp_path_factory):
     start(config, extra_apps=[("pool-mode", "/pool", pool_config)])
     yield {"config": config, "pool_config": pool_config, "alice": alice, "bob": bob, "carol": carol,
            "http": f"http://127.0.0.1:{config.http_port}", "grpc": f"127.0.0.1:{config.grpc_port}"}
-    serve.shutdown()
-    ray.shutdown()
+    stop_local_cluster()
     env.__exit__(None, None, None)
 
 

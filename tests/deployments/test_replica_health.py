@@ -12,7 +12,7 @@ import pytest
 from cache_service import find_free_port
 from deployments.config import CacheConfig, PlatformConfig, PoolConfig
 from deployments.tenancy import TenantRegistry
-from tests.conftest import local_ray_env
+from tests.conftest import local_ray_env, stop_local_cluster
 from tests.deployments.breakable import BreakableDecode
 
 
@@ -48,8 +48,7 @@ def platform(tmp_path_factory):
     yield {"http": f"http://127.0.0.1:{config.http_port}", "key": key,
            "decode": serve.get_deployment_handle("decode-standard", app_name="health"),
            "ingress": serve.get_deployment_handle("ingress", app_name="health")}
-    serve.shutdown()
-    ray.shutdown()
+    stop_local_cluster()
     env.__exit__(None, None, None)
 
 

@@ -55,7 +55,7 @@ from deployments.autoscaling.policy import (
     StaticPolicy,
     proportional_split,
 )
-from deployments.autoscaling.profile import Profile, load_profile
+from deployments.autoscaling.profile import Profile, load_profile, measure_ingress
 from deployments.autoscaling.signals import Budget
 from deployments.autoscaling.simulator import (
     SimResult,
@@ -77,8 +77,8 @@ BACK_WITHIN_S = 60.0        # ... and leave it this soon after it ends
 class SurgeShape:
     """The replayed trace, in real seconds on the live platform."""
 
-    duration_s: float = 300.0
-    surge_start_s: float = 60.0
+    duration_s: float = 160.0
+    surge_start_s: float = 40.0
     surge_s: float = 45.0
     standard_rate: float = 2.1        # requests/s, the whole run
     highspeed_rate: float = 0.2       # requests/s outside the surge
@@ -115,10 +115,23 @@ def surge_trace(shape: SurgeShape) -> list[TraceRequest]:
     return sorted(out, key=lambda r: r.arrival_s)
 
 
+REPLAY_INTERVAL_S = 2.0  # the autoscaler's tick in the replay (the default 5 s is a sixth of the 30 s target)
+
+
 def live_params(shape: SurgeShape) -> DeltaserveParams:
     """The autoscaler's parameters for a compressed replay: its cooldowns in the replay's seconds (the
-    defaults are for real time: 600 s down cooldown, 120 s sustained average)."""
+    defaults are for real time: 600 s down cooldown, 120 s sustained average). The live platform gets them
+    through its config's ``autoscale.policy`` (:func:`live_config`), the simulator as the policy's params."""
     return DeltaserveParams(down_cooldown_s=20.0, sustained_tau_s=15.0)
+
+
+def live_config(shape: SurgeShape) -> dict:
+    """The platform config overrides of the autoscaled run: the replay's tick and policy parameters. Without
+    them `deltaserve up --autoscale` runs the real-time defaults: standard's sustained share stays held by the
+    600 s down cooldown, so highspeed's extra replicas wait for its slow average (120 s) to rise."""
+    p, d = live_params(shape), DeltaserveParams()
+    return {"autoscale": {"interval_s": REPLAY_INTERVAL_S,
+                          "policy": {k: v for k, v in asdict(p).items() if v != getattr(d, k)}}}
 
 
 def static_split(requests: list[TraceRequest], profile: Profile, config: PlatformConfig, budget: int) -> dict[str, int]:
@@ -132,11 +145,13 @@ def static_split(requests: list[TraceRequest], profile: Profile, config: Platfor
 
 
 def predict(requests: list[TraceRequest], policy, profile: Profile, config: PlatformConfig, budget: int,
-            interval_s: float, initial: dict[str, int], name: str) -> SimResult:
+            interval_s: float, initial: dict[str, int], name: str, machine_share: bool = True) -> SimResult:
     """The simulator on the replayed trace: no cache (the live runs have none), the live platform's initial
-    counts, the autoscaler's tick."""
+    counts, the autoscaler's tick; ``machine_share``: the replicas share this machine's cores and requests pay
+    the measured ingress costs (the live platform's situation), else the abstract model."""
     settings = SimSettings(Budget(total=budget), tick_s=interval_s, window_s=max(10.0, interval_s), seed=0,
-                           cache_token_hit_rate=0.0, cache_request_hit_rate=0.0, initial=dict(initial))
+                           cache_token_hit_rate=0.0, cache_request_hit_rate=0.0, initial=dict(initial),
+                           machine_share=machine_share)
     return Simulator(requests, policy, profile, config, settings, name=name).run()
 
 
@@ -197,11 +212,14 @@ def replay(url: str, key: str, requests: list[TraceRequest]) -> list[Outcome]:
 
 class ReplicaPoller:
     """Serving replicas per engine deployment every ``period_s`` (``serve.status()`` from a Ray driver), as
-    (seconds since ``t0``, {deployment: RUNNING replicas}); run it as a context manager around the replay."""
+    (seconds since ``t0``, {deployment: RUNNING replicas}), and every new decision the autoscaler published
+    (its targets and reasons, ``deployments.autoscaling.live.read_status``): when a target changed vs when the
+    replica served tells the policy's delay from the start-up's. Run it as a context manager around the replay."""
 
     def __init__(self, deployments: list[str], period_s: float) -> None:
         self.deployments, self.period_s = deployments, period_s
         self.samples: list[tuple[float, dict[str, int]]] = []
+        self.decisions: list[dict] = []
         self.t0 = time.perf_counter()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -216,6 +234,20 @@ class ReplicaPoller:
                 self.samples.append((time.perf_counter() - self.t0, counts))
             except Exception as e:  # noqa: BLE001 - a missed sample is a gap in the timeline, not a failure
                 print(f"autoscale_live: serve.status() failed: {e}", file=sys.stderr)
+            try:
+                from deployments.autoscaling.live import read_status
+
+                status = read_status()
+                if status and (not self.decisions or status["time"] != self.decisions[-1]["time"]):
+                    targets = {n: d["target"] for n, d in status["deployments"].items()}
+                    if not self.decisions or targets != self.decisions[-1]["targets"]:
+                        self.decisions.append({"t": time.perf_counter() - self.t0, "time": status["time"],
+                                               "targets": targets,
+                                               "reasons": {n: d["reason"] for n, d in status["deployments"].items()}})
+                    else:
+                        self.decisions[-1]["time"] = status["time"]
+            except Exception:  # noqa: BLE001, S110 - no status yet (or none: the static run): nothing to record
+                pass
             self._stop.wait(self.period_s)
 
     def __enter__(self) -> ReplicaPoller:  # noqa: PYI034 - a plain class, not subclassed
@@ -229,24 +261,33 @@ class ReplicaPoller:
 
 
 def run_live(mode: str, requests: list[TraceRequest], split: dict[str, int], budget: int, poll_s: float,
-             workdir: Path) -> dict:
-    """One `deltaserve up` (static split, or --autoscale from it), the replay, the replica timeline."""
+             workdir: Path, shape: SurgeShape, calibrate=None) -> dict:
+    """One `deltaserve up` (static split, or --autoscale from it with :func:`live_config`), the replay, the
+    replica timeline. ``calibrate(url, key)``, when given, runs on the idle platform before the replay (the
+    ingress measurement); its result is returned as ``calibration``."""
     from tests.deployments.platform_fixture import ray_driver, start_platform
 
     args = [a for name, n in sorted(split.items()) for a in ("--replicas", f"{name}={n}")]
     if mode == "autoscale":
-        args += ["--autoscale", "--budget", str(budget)]
+        (workdir / mode).mkdir(parents=True, exist_ok=True)
+        cfg = workdir / mode / "platform.json"
+        cfg.write_text(json.dumps(live_config(shape)))
+        args += ["--autoscale", "--budget", str(budget), "--config", str(cfg)]
     started = time.perf_counter()
     with start_platform(workdir / mode, *args) as platform, ray_driver(platform):
         ready_s = time.perf_counter() - started
         warm = replay(platform.http_url, platform.key, [TraceRequest(0.0, p, 16, 4) for p in MODELS])
+        calibration = calibrate(platform.http_url, platform.key) if calibrate else None
         with ReplicaPoller(sorted(split), poll_s) as poller:
             outcomes = replay(platform.http_url, platform.key, requests)
             time.sleep(poll_s)
         log_tail = platform.output[-40:]
-    return {"mode": mode, "args": args, "ready_s": ready_s, "warm_errors": [o.error for o in warm if o.error],
+    shown = [a if not a.endswith("platform.json") else "autoscale_live_config.json" for a in args]
+    return {"mode": mode, "args": shown, "ready_s": ready_s, "warm_errors": [o.error for o in warm if o.error],
+            "config": live_config(shape) if mode == "autoscale" else None, "calibration": calibration,
             "outcomes": [asdict(o) | {"aborted": o.aborted} for o in outcomes],
-            "replicas": [{"t": t, **c} for t, c in poller.samples], "log_tail": log_tail}
+            "replicas": [{"t": t, **c} for t, c in poller.samples], "decisions": poller.decisions,
+            "log_tail": log_tail}
 
 
 # --- figures ------------------------------------------------------------------------------------------------------
@@ -306,15 +347,33 @@ def sim_samples(res: SimResult) -> list[dict]:
     return [{"t": t, **{n: tl[f"replicas:{n}"][i] for n in names}} for i, t in enumerate(tl["t"])]
 
 
-def compare(pred: dict[str, dict], meas: dict[str, dict]) -> list[dict]:
+def compare(pred: dict[str, dict], meas: dict[str, dict], abstract: dict[str, dict] | None = None) -> list[dict]:
+    """Per pool and figure: the machine-sharing prediction vs the measurement (ratio, within the tolerance),
+    and the abstract model's prediction beside them."""
     rows = []
     for pool in MODELS:
         for key in ("ttft_p50_s", "ttft_p95_s", "tpot_p50_s", "tpot_p95_s"):
             p, m = pred[pool][key], meas[pool][key]
             ratio = p / m if p is not None and m else None
             rows.append({"pool": pool, "figure": key, "predicted": p, "measured": m, "ratio": ratio,
-                         "within": ratio is not None and abs(ratio - 1.0) <= TOLERANCE})
+                         "within": ratio is not None and abs(ratio - 1.0) <= TOLERANCE,
+                         "abstract model": (abstract or {}).get(pool, {}).get(key)})
     return rows
+
+
+def decision_timing(decisions: list[dict], shape: SurgeShape) -> dict:
+    """From the autoscaler's published decisions: seconds from the surge's start to the first decision that
+    gives highspeed more than it had before, and from its end to the first that gives it back."""
+    before = [highspeed_total(d["targets"]) for d in decisions if d["t"] <= shape.surge_start_s]
+    if not decisions:
+        return {"up_decided_after_s": None, "down_decided_after_s": None}
+    base = before[-1] if before else highspeed_total(decisions[0]["targets"])
+    up = next((d for d in decisions if d["t"] > shape.surge_start_s and highspeed_total(d["targets"]) > base), None)
+    down = None if up is None else next((d for d in decisions if d["t"] > max(shape.surge_end_s, up["t"])
+                                         and highspeed_total(d["targets"]) <= base), None)
+    return {"base": base, "up_decided_after_s": up["t"] - shape.surge_start_s if up else None,
+            "up_reasons": {n: r for n, r in up["reasons"].items() if n.endswith("highspeed")} if up else None,
+            "down_decided_after_s": down["t"] - shape.surge_end_s if down else None}
 
 
 def plot(path: Path, requests: list[TraceRequest], shape: SurgeShape, runs: dict, sims: dict, comparisons: dict) -> None:
@@ -406,11 +465,13 @@ def main() -> int:
         profile = load_profile(args.profile or measure_profile(work / "profile.json"))
         profile_data = json.loads(Path(profile.source).read_text())
         split = static_split(requests, profile, config, args.budget)
-        interval = config.autoscale.interval_s
-        sims = {"static": predict(requests, StaticPolicy(split), profile, config, args.budget, interval, split,
-                                  "static"),
-                "autoscale": predict(requests, DeltaservePolicy(live_params(shape)), profile, config, args.budget,
-                                     interval, split, "autoscale")}
+        interval = REPLAY_INTERVAL_S
+        lengths = {"standard": (shape.standard_prompt, shape.standard_output),
+                   "highspeed": (shape.highspeed_prompt, shape.highspeed_output)}
+
+        def calibrate(url: str, key: str) -> dict:
+            return measure_ingress(url, key, MODELS, lengths, profile)
+
         runs = {}
         if args.reuse:
             earlier = json.loads(Path(args.reuse).read_text())
@@ -418,19 +479,34 @@ def main() -> int:
                 raise SystemExit(f"--reuse {args.reuse}: its trace shape differs from this run's")
             runs |= {m: r | {"reused_from": args.reuse} for m, r in earlier["runs"].items()}
         if not args.predict_only:
-            for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
+            for i, mode in enumerate(m.strip() for m in args.modes.split(",") if m.strip()):
                 print(f"autoscale_live: live run {mode}", file=sys.stderr, flush=True)
-                runs[mode] = run_live(mode, requests, split, args.budget, args.poll_s, work)
+                runs[mode] = run_live(mode, requests, split, args.budget, args.poll_s, work, shape,
+                                      calibrate if i == 0 else None)
+                if runs[mode]["calibration"]:
+                    profile_data["ingress"] = runs[mode]["calibration"] | {"measured_in": mode}
+        if not profile_data.get("ingress"):
+            print("autoscale_live: no ingress costs measured or in the profile: machine-sharing predictions "
+                  "without them", file=sys.stderr)
+        (work / "profile_live.json").write_text(json.dumps(profile_data))
+        shared = load_profile(work / "profile_live.json")
+        policies = {"static": lambda: StaticPolicy(split), "autoscale": lambda: DeltaservePolicy(live_params(shape))}
+        sims = {m: predict(requests, make(), shared, config, args.budget, interval, split, m)
+                for m, make in policies.items()}
+        abstract = {m: predict(requests, make(), profile, config, args.budget, interval, split, m, machine_share=False)
+                    for m, make in policies.items()}
     predicted = {m: predicted_figures(r) for m, r in sims.items()}
+    predicted_abstract = {m: predicted_figures(r) for m, r in abstract.items()}
     measured = {m: measured_figures(r, config) for m, r in runs.items()}
-    comparisons = {m: compare(predicted[m], measured[m]) for m in measured}
+    comparisons = {m: compare(predicted[m], measured[m], predicted_abstract[m]) for m in measured}
+    decided = {m: decision_timing(r.get("decisions") or [], shape) for m, r in runs.items() if r.get("decisions")}
     timing = {m: surge_timing(r["replicas"], shape) for m, r in runs.items()}
     timing_pred = {m: surge_timing(sim_samples(r), shape) for m, r in sims.items()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     record = {"command": COMMAND, "shape": asdict(shape), "budget": args.budget, "static_split": split,
               "live_params": asdict(live_params(shape)), "profile": profile_data, "requests": len(requests),
-              "predicted": predicted, "measured": measured, "comparisons": comparisons, "surge_timing": timing,
+              "predicted": predicted, "predicted_abstract": predicted_abstract, "measured": measured, "comparisons": comparisons, "surge_timing": timing, "decision_timing": decided,
               "surge_timing_predicted": timing_pred, "runs": runs,
               "predicted_replicas": {m: sim_samples(r) for m, r in sims.items()}}
     (out / "autoscale_live.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
@@ -477,6 +553,17 @@ def report(rec: dict, config: PlatformConfig) -> str:
               f"{rec['profile']['machine'].get('time_utc')}: prefill {rec['profile']['prefill']['coef']}, decode "
               f"{rec['profile']['decode']['coef']}, start-up {rec['profile']['replica_startup']['seconds']:.2f} s)."),
              ""]
+    ingress = rec["profile"].get("ingress")
+    lines += [("Predictions: the simulator in its machine-sharing mode (docs/autoscaling.md): the replicas share this "
+               f"machine's {rec['profile']['machine'].get('cpu_count')} cores (a step that begins while n units are "
+               "busy takes max(1, n / cores) times as long), and every request pays the ingress costs measured on "
+               "the idle platform" + (" (" + "; ".join(
+                   f"{p}: {v['request_s'] * 1e3:.0f} ms per request, {v['token_s'] * 1e3:.1f} ms per output token "
+                   f"(alone: TTFT {v['measured_ttft_s'] * 1e3:.0f} ms measured vs {v['model_ttft_s'] * 1e3:.0f} ms "
+                   f"modelled, TPOT {v['measured_tpot_s'] * 1e3:.1f} vs {v['model_tpot_s'] * 1e3:.1f} ms)"
+                   for p, v in ingress["pools"].items()) + f"; measured before the {ingress.get('measured_in')} run's "
+                   f"replay, loadavg {ingress.get('loadavg_1m')})" if ingress else ": none measured") +
+               ". The abstract model (each replica its own hardware, no ingress) is the last column."), ""]
     for mode, run in rec["runs"].items():
         lines.append(f"- live run `{mode}`: `deltaserve up {' '.join(run['args'])}`, ready after {run['ready_s']:.0f} s"
                      + (f"; measured in an earlier run of this benchmark ({run['reused_from']}), same trace and profile"
@@ -495,12 +582,16 @@ def report(rec: dict, config: PlatformConfig) -> str:
     for mode, comp in rec["comparisons"].items():
         ok = sum(r["within"] for r in comp)
         lines += [f"## Predicted vs measured: {mode} ({ok} of {len(comp)} within {TOLERANCE:.0%})", "",
-                  *table(comp, ["pool", "figure", "predicted", "measured", "ratio", "within"]), ""]
+                  *table(comp, ["pool", "figure", "predicted", "measured", "ratio", "within", "abstract model"]), ""]
     lines += ["## Replicas and the surge", ""]
     for mode, t in rec["surge_timing"].items():
         lines.append(f"- {mode} (measured): highspeed replicas before the surge {t['before']}, peak {t['peak']}, "
                      f"more {_fmt(t['moved_after_s'])} s after it began (target <= {MOVE_WITHIN_S:g} s), back "
                      f"{_fmt(t['back_after_s'])} s after it ended (target <= {BACK_WITHIN_S:g} s)")
+    for mode, t in rec.get("decision_timing", {}).items():
+        lines.append(f"- {mode} (the autoscaler's decisions): highspeed's targets raised {_fmt(t['up_decided_after_s'])} s "
+                     f"after the surge began, lowered {_fmt(t['down_decided_after_s'])} s after it ended; the raise: "
+                     f"{t.get('up_reasons')}")
     for mode, t in rec["surge_timing_predicted"].items():
         lines.append(f"- {mode} (predicted): before {t['before']}, peak {t['peak']}, more {_fmt(t['moved_after_s'])} s "
                      f"after the start, back {_fmt(t['back_after_s'])} s after the end")

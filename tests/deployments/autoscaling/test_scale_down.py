@@ -115,7 +115,8 @@ def test_scale_down_from_3_to_1_with_24_streams_open_loses_nothing(platform):
     reference = run_all(platform)
     assert [s.error for s in reference] == [None] * STREAMS
     assert {s.completion_tokens for s in reference} == {MAX_TOKENS}
-    assert len({s.replica for s in reference}) == 3  # the load is spread over the three replicas
+    # Serve's router spreads the load (power of two choices: not always over all three replicas)
+    assert len({s.replica for s in reference}) >= 2
 
     seen: dict[str, set[str]] = {}
 

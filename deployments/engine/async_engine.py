@@ -99,7 +99,8 @@ class AsyncEngine:
         self._batchers: dict[str, StreamBatcher] = {}  # per live generator with a stream interval
         self._adds: list[tuple[GenerationRequest, dict[str, Any], asyncio.Future[None]]] = []  # for the next step
         self._aborts: list[tuple[str, asyncio.Future[None]]] = []  # request ids to abort before the next step
-        self._pending = threading.Lock()  # guards _adds and _aborts (the loop appends, the step thread takes)
+        self._pending = threading.Lock()  # guards _adds, _aborts and _owner_loop (the loop appends, the step thread takes)
+        self._owner_loop: asyncio.AbstractEventLoop | None = None  # the loop whose step runs may take queued work
         self._wake: asyncio.Event | None = None  # set when work may have arrived; made on the running loop
         self._loop_task: asyncio.Task[None] | None = None
         self._error: EngineBroken | None = None  # why the engine stopped for good
@@ -188,8 +189,10 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         if self._loop_task is None or (self._loop_task.done() and self._error is None) or self._loop_task.get_loop() is not loop:
             # first use, or a new event loop (a finished loop's task can never step again)
+            with self._pending:  # from here on only a step run for this loop takes queued work
+                self._owner_loop = loop
             self._wake = asyncio.Event()
-            self._loop_task = asyncio.get_running_loop().create_task(self._run(self._wake))
+            self._loop_task = loop.create_task(self._run(self._wake))
 
     async def _run(self, wake: asyncio.Event) -> None:
         try:
@@ -219,6 +222,10 @@ class AsyncEngine:
         self._lower_priority()
         while not self._closed:
             with self._pending:
+                if self._owner_loop is not loop:
+                    # a run for a finished loop (asyncio.run returned while it stepped): the queued work is the
+                    # new loop's, and outputs handed to this loop would never be delivered
+                    return None
                 adds, self._adds = self._adds, []
                 aborts, self._aborts = self._aborts, []
             errors, outputs, failure, stepped = self._add_and_step([(r, kw) for r, kw, _ in adds], [r for r, _ in aborts])

@@ -13,6 +13,8 @@ once. New requests and aborts are queued on the loop and taken by the step threa
 its next step: every request that arrived during a step joins the next one (adding each in a
 worker thread of its own would park one thread per arrival on the lock, and asyncio's small
 default pool admitted only a few per step), and the loop is never blocked behind a step.
+The engine follows the event loop it is used from (tests run one ``asyncio.run`` after another):
+a step run started for a loop that has since been replaced takes no queued work.
 
     async with contextlib.aclosing(async_engine.generate(req)) as outputs:
         async for out in outputs:

@@ -47,7 +47,9 @@ def _wait_until_expired(t0: float, now: float) -> float:
     """
     wait = max(t0 + WINDOW_S - now, 0.0)
     while (now + wait) - t0 < WINDOW_S:
-        wait = math.nextafter(wait, math.inf)
+        # step the sum, not only ``wait``: one ulp of a tiny wait can leave ``now + wait`` unchanged, and
+        # stepping ``wait`` alone then takes up to 2**52 rounds
+        wait = max(math.nextafter(wait, math.inf), math.nextafter(now + wait, math.inf) - now)
     return wait
 
 

@@ -8,6 +8,7 @@ import os
 import re
 import stat
 import threading
+import time
 
 import pytest
 import yaml
@@ -664,3 +665,15 @@ def test_cli_missing_or_bad_file(tmp_path, capsys, monkeypatch):
     (tmp_path / "tenants.yaml").unlink()
     rc, out, _ = cli(["tenants", "add", "b"], capsys)
     assert rc == 0 and TenantRegistry.load(tmp_path / "tenants.yaml").authenticate(out.strip()).name == "b"
+
+
+def test_the_wait_for_an_admission_to_expire_is_found_in_a_few_steps():
+    """``now + wait`` must pass the window edge; where ``t0 + 60 - now`` rounds to 0 but the edge is
+    not reached, stepping a zero wait by one ulp at a time would take up to 2**52 rounds."""
+    from deployments.tenancy.limits import WINDOW_S, _wait_until_expired
+
+    t0, now = 69.92533507727178, 129.92533507727174  # t0 + 60 - now == 0.0, yet now - t0 < 60
+    started = time.perf_counter()
+    wait = _wait_until_expired(t0, now)
+    assert (now + wait) - t0 >= WINDOW_S and wait < 1e-9
+    assert time.perf_counter() - started < 0.1

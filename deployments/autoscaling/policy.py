@@ -92,6 +92,8 @@ def _bounds_note(name: str, want: int, target: int, budget: Budget) -> str:
         return f"pinned at {budget.pins[name]}"
     if target == want:
         return ""
+    if target > max(want, budget.floor_of(name)):
+        return f"{target - max(want, budget.floor_of(name))} spare of the unused budget (premium_headroom)"
     if target == budget.floor_of(name) and want < target:
         return f"raised to floor {target}"
     high = budget.ceiling_of(name)
@@ -119,8 +121,8 @@ class DeltaserveParams:
     busy_target: float = 0.75            # share of the time a prefill / expert replica may be stepping
     breach_factor_max: float = 2.0       # on a latency breach: at most this many times the current replicas
     up_tolerance: float = 0.1            # scale up once the need exceeds the current count by more than this
-    down_band: float = 0.6               # scale down to n only while the need stays <= down_band x n
-    down_cooldown_s: float = 600.0       # ... for this long, and this long after the last change
+    down_band: float = 0.5               # scale down to n only while the need stays <= down_band x n
+    down_cooldown_s: float = 900.0       # ... for this long, and this long after the last change
     breach_cooldown_s: float = 15.0      # between two breach-driven steps (new replicas need time to start)
     expert_callers_per_replica: float = 4.0  # prefill + decode replicas one expert-shard replica serves
     priority: tuple[str, ...] = ("highspeed", "standard")  # pools in the order their SLO is protected
@@ -129,6 +131,9 @@ class DeltaserveParams:
     sustained_first: bool = True         # give every pool its sustained need (rate, running) before any pool's
                                          # backlog and breach extras; False: each pool all it wants in turn
     forecast_horizon_s: float = 0.0      # size prefill for the arrival rate this far ahead (Holt); 0 = off
+    premium_headroom: int = 1            # budget left after every pool's want: up to this many replicas more for
+                                         # each engine deployment of the first pool in ``priority`` (a surge there
+                                         # meets a spare replica instead of a start-up); 0 = leave it unused
     forecast_alpha: float = 0.3          # Holt level smoothing
     forecast_beta: float = 0.1           # Holt trend smoothing
 
@@ -148,6 +153,8 @@ class DeltaserveParams:
         if self.breach_factor_max < 1.0 or self.expert_callers_per_replica <= 0:
             raise ValueError(f"DeltaserveParams: breach_factor_max must be >= 1 (got {self.breach_factor_max}) and "
                              f"expert_callers_per_replica > 0 (got {self.expert_callers_per_replica})")
+        if not (isinstance(self.premium_headroom, int) and self.premium_headroom >= 0):
+            raise ValueError(f"DeltaserveParams: premium_headroom must be an int >= 0, got {self.premium_headroom!r}")
         if self.prefill_tokens_per_s is not None and not self.prefill_tokens_per_s > 0:
             raise ValueError(f"DeltaserveParams: prefill_tokens_per_s must be > 0, got {self.prefill_tokens_per_s}")
 
@@ -162,6 +169,9 @@ def params_from_json(overrides: dict) -> DeltaserveParams:
     values = dict(overrides)
     if "priority" in values:
         values["priority"] = tuple(values["priority"])
+    headroom = values.get("premium_headroom")
+    if isinstance(headroom, float) and headroom.is_integer():  # the config's thresholds are numbers
+        values["premium_headroom"] = int(headroom)
     return DeltaserveParams(**values)
 
 
@@ -394,7 +404,8 @@ class DeltaservePolicy:
         """Floors (pins) first; then the pools in priority order, one replica at a time to the deployment
         furthest below its want (a short budget is split in proportion to the wants): with
         ``sustained_first`` a first round up to each deployment's sustained need, a second up to its whole
-        want. Each engine replica given takes the expert-shard replicas it needs with it (every shard
+        want; last, what the budget has left goes to the first pool's deployments, up to
+        ``premium_headroom`` each beyond its want (taken back first when another want grows). Each engine replica given takes the expert-shard replicas it needs with it (every shard
         alike), so a replica is given only if both fit; after the first pool the shards also get what their
         own busy share needs."""
         counts = {n: _floor(n, budget) for n in engines + experts}
@@ -412,6 +423,10 @@ class DeltaservePolicy:
                 counts = self._fill(group, wanted, counts, budget, round_limit, experts, expert_limit, engines)
                 if r == 0 and i == 0:
                     counts = raise_together(experts, counts, budget, {n: min(expert_limit[n], own[n]) for n in experts})
+        if self.params.premium_headroom and pools:
+            group = [n for n in engines if obs.signals[n].pool == pools[0]]
+            spare = {n: max(counts[n], min(_ceiling(n, budget), wanted[n] + self.params.premium_headroom)) for n in group}
+            counts = self._fill(group, wanted, counts, budget, spare, experts, expert_limit, engines)
         return counts
 
     def _fill(self, group: list[str], wanted: dict[str, int], counts: dict[str, int], budget: Budget,

@@ -20,7 +20,9 @@ from deployments.autoscaling.signals import Budget, DeploymentSignal, Observatio
 SLO = {"highspeed": Slo(1.0, 0.1), "standard": Slo(4.0, 0.4)}
 CAPS = {"highspeed": 4, "standard": 32}
 # hysteresis tests use a short cooldown and a narrow dead band so their timelines stay readable
-FAST = DeltaserveParams(down_cooldown_s=60.0, down_band=0.8)
+# the rules below are tested without the premium pool's spare replicas (test_spare_budget_* test those)
+PLAIN = DeltaserveParams(premium_headroom=0)
+FAST = DeltaserveParams(down_cooldown_s=60.0, down_band=0.8, premium_headroom=0)
 ENGINES = [f"{kind}-{pool}" for pool in ("highspeed", "standard") for kind in ("prefill", "decode")]
 
 
@@ -171,8 +173,9 @@ def test_a_highspeed_burst_waits_behind_standards_sustained_load():
     # then the burst's extras get the 2 left.
     def tick(policy, t, rate):
         return policy.decide(observe(t, prefill("highspeed", rate=rate), decode("standard", running=64)), Budget(8))
-    for params, expected in ((DeltaserveParams(), {"prefill-highspeed": 3, "decode-standard": 3}),
-                             (DeltaserveParams(sustained_first=False), {"prefill-highspeed": 5, "decode-standard": 1})):
+    for params, expected in ((PLAIN, {"prefill-highspeed": 3, "decode-standard": 3}),
+                             (DeltaserveParams(sustained_first=False, premium_headroom=0),
+                              {"prefill-highspeed": 5, "decode-standard": 1})):
         policy = DeltaservePolicy(params)
         for t in range(0, 101, 2):
             assert tick(policy, float(t), 1.0).targets["prefill-highspeed"] == 1
@@ -214,7 +217,7 @@ def test_expert_shards_follow_the_replicas_that_call_them():
     busy = [decode(pool, running=2 * CAPS[pool] * 17 // 20) for pool in ("highspeed", "standard")]
     busy += [prefill(pool, rate=2.8 * 0.7 / 0.5 * 0.5) for pool in ("highspeed", "standard")]
     obs = observe(0.0, *busy, expert(0), expert(1))
-    decision = DeltaservePolicy().decide(obs, Budget(20))
+    decision = DeltaservePolicy(PLAIN).decide(obs, Budget(20))
     assert {n: decision.targets[n] for n in ENGINES} == {n: 2 for n in ENGINES}
     assert decision.targets["expert-pool-0"] == decision.targets["expert-pool-1"] == 2
     assert decision.reasons["expert-pool-0"] == (
@@ -252,7 +255,7 @@ def test_apportion_is_proportional_and_deterministic():
 
 def test_steady_load_gives_identical_targets_over_many_ticks():
     # the need wobbles across an integer: 10.2..11.2 sequences / 3.4 = 3.0..3.29 decode-highspeed replicas
-    policy, budget = DeltaservePolicy(), Budget(12)
+    policy, budget = DeltaservePolicy(PLAIN), Budget(12)
     decisions = []
     for tick in range(300):
         wobble = (tick * 7) % 5  # 0..4, not periodic with the cooldown
@@ -263,8 +266,30 @@ def test_steady_load_gives_identical_targets_over_many_ticks():
     assert all(d == decisions[0] for d in decisions)
 
 
+def test_spare_budget_goes_to_the_premium_pool_and_is_taken_back_first():
+    # premium_headroom 1 (the default): quiet highspeed wants 1 + 1 each; standard decode's 40 running sequences
+    # want 40 / (0.85 x 32) = 1.47 -> 2. Budget 8: 2 + 2 + 2 + 1 = 7, one replica unused (no more than 1 spare each).
+    policy, budget = DeltaservePolicy(), Budget(8)
+    quiet = policy.decide(observe(0.0, decode("standard", running=40)), budget)
+    assert quiet.targets == {"prefill-highspeed": 2, "decode-highspeed": 2, "decode-standard": 2, "prefill-standard": 1}
+    assert quiet.wanted["prefill-highspeed"] == quiet.wanted["decode-highspeed"] == 1
+    assert "1 spare of the unused budget" in quiet.reasons["prefill-highspeed"]
+    # standard decode now wants 100 / 27.2 = 3.68 -> 4: its want comes before highspeed's spare, which shrinks to 1
+    busy = policy.decide(observe(2.0, decode("standard", replicas=2, running=100)), budget)
+    assert busy.targets["decode-standard"] == 4
+    assert busy.targets["prefill-highspeed"] + busy.targets["decode-highspeed"] == 3
+    assert sum(busy.targets.values()) == 8
+    # and a steady load gives steady targets with the spare too
+    again = [policy.decide(observe(4.0 + 2 * i, decode("standard", replicas=4, running=100)), budget).targets
+             for i in range(50)]
+    assert all(t == again[0] for t in again)
+    # without headroom the spare replicas stay unused
+    plain = DeltaservePolicy(PLAIN).decide(observe(0.0, decode("standard", running=40)), budget)
+    assert plain.targets["prefill-highspeed"] == plain.targets["decode-highspeed"] == 1
+
+
 def test_a_surge_scales_up_within_one_tick():
-    policy, budget = DeltaservePolicy(), Budget(12)
+    policy, budget = DeltaservePolicy(PLAIN), Budget(12)
     for tick in range(10):
         assert policy.decide(observe(tick * 2.0, decode("highspeed", running=3)), budget).targets["decode-highspeed"] == 1
     surge = observe(20.0, decode("highspeed", running=4, waiting=9))
@@ -275,7 +300,7 @@ def test_a_surge_scales_up_within_one_tick():
 
 
 def test_a_latency_breach_steps_up_now_and_again_only_after_its_cooldown():
-    policy, budget = DeltaservePolicy(), Budget(16)
+    policy, budget = DeltaservePolicy(PLAIN), Budget(16)
     slow = lambda t, r: observe(t, decode("highspeed", replicas=r, running=2, tpot=0.15))
     first = policy.decide(slow(0.0, 2), budget)
     assert first.targets["decode-highspeed"] == 3  # max(2 + 1, 2 x 0.15 / 0.1)

@@ -30,7 +30,9 @@ POOL = {"max_num_seqs": 4, "max_num_batched_tokens": 256, "stream_interval_ms": 
 def platform(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("autoscale")
     config = workdir / "platform.yaml"
-    config.write_text(yaml.safe_dump({"pools": {"standard": POOL, "highspeed": POOL}, "autoscale": {"interval_s": 2}}))
+    config.write_text(yaml.safe_dump({"pools": {"standard": POOL, "highspeed": POOL}, "autoscale": {"interval_s": 2,
+        # the budget left after the wants stays unused: the targets below are the wants (the spare round: test_policy.py)
+        "policy": {"premium_headroom": 0}}}))
     with start_platform(workdir, "--config", str(config), "--autoscale", "--budget", str(BUDGET)) as p, ray_driver(p):
         yield p
 

@@ -183,8 +183,12 @@ def ctx(name: str, replicas: int, reports: list[dict], target: int | None = None
     return Ctx(name, replicas, replicas if target is None else target, raw, queued)
 
 
+# budget left after the wants stays unused here (the spare replicas: test_policy.py)
+NO_SPARE = {"premium_headroom": 0}
+
+
 def policy_for(settings: OpsSettings | None = None, budget: float = 5):
-    config = with_autoscale(PlatformConfig.load({"autoscale": {"interval_s": 2}}), True, budget)
+    config = with_autoscale(PlatformConfig.load({"autoscale": {"interval_s": 2, "policy": NO_SPARE}}), True, budget)
     policy, _ = serve_autoscaling(config)
     published: list[dict] = []
     clock = Clock()
@@ -315,7 +319,7 @@ def test_policy_thresholds_from_the_platform_config_reach_the_policy_serve_build
 def test_run_time_settings_from_gcs_take_effect_on_the_next_tick_over_the_declared_ones():
     """`deltaserve ops` on a local platform writes its settings to GCS (no rebuild): the policy reads them each
     tick, while they were set over the declared settings it was built with; a pause holds what it decided."""
-    config = with_autoscale(PlatformConfig.load({"autoscale": {"interval_s": 2}}), True, 5)
+    config = with_autoscale(PlatformConfig.load({"autoscale": {"interval_s": 2, "policy": NO_SPARE}}), True, 5)
     policy, _ = serve_autoscaling(config)
     kv: dict[str, bytes | None] = {"value": None}
     published: list[dict] = []

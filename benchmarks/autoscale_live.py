@@ -510,7 +510,8 @@ def main() -> int:
     timing_pred = {m: surge_timing(sim_samples(r), shape) for m, r in sims.items()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    record = {"command": COMMAND + (f" --surge-rate {args.surge_rate:g}" if shape != SurgeShape() else ""), "shape": asdict(shape), "budget": args.budget, "static_split": split,
+    command = COMMAND + (f" --surge-rate {args.surge_rate:g}" if shape != SurgeShape() else "")
+    record = {"command": command, "shape": asdict(shape), "budget": args.budget, "static_split": split,
               "live_params": asdict(live_params(shape)), "profile": profile_data, "requests": len(requests),
               "predicted": predicted, "predicted_abstract": predicted_abstract, "measured": measured, "comparisons": comparisons, "surge_timing": timing, "decision_timing": decided,
               "surge_timing_predicted": timing_pred, "runs": runs,

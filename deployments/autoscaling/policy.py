@@ -405,9 +405,9 @@ class DeltaservePolicy:
         furthest below its want (a short budget is split in proportion to the wants): with
         ``sustained_first`` a first round up to each deployment's sustained need, a second up to its whole
         want; last, what the budget has left goes to the first pool's deployments, up to
-        ``premium_headroom`` each beyond its want (taken back first when another want grows). Each engine replica given takes the expert-shard replicas it needs with it (every shard
-        alike), so a replica is given only if both fit; after the first pool the shards also get what their
-        own busy share needs."""
+        ``premium_headroom`` each beyond its want (taken back first when another want grows). Each engine
+        replica given takes the expert-shard replicas it needs with it (every shard alike), so a replica is
+        given only if both fit; after the first pool the shards also get what their own busy share needs."""
         counts = {n: _floor(n, budget) for n in engines + experts}
         limit = {n: max(counts[n], min(_ceiling(n, budget), wanted[n])) for n in engines}
         rounds = [limit]

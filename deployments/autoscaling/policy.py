@@ -134,6 +134,9 @@ class DeltaserveParams:
     premium_headroom: int = 1            # budget left after every pool's want: up to this many replicas more for
                                          # each engine deployment of the first pool in ``priority`` (a surge there
                                          # meets a spare replica instead of a start-up); 0 = leave it unused
+    keep_starting: bool = True           # a replica still starting is not taken back (for the budget or a lower
+                                         # need) until it serves: cancelling start-ups under contention is churn
+                                         # that serves nothing and, on a shared host, costs the CPU it started on
     forecast_alpha: float = 0.3          # Holt level smoothing
     forecast_beta: float = 0.1           # Holt trend smoothing
 
@@ -301,6 +304,7 @@ class DeltaservePolicy:
         self._holt: dict[str, _Holt] = {}
         self._slow: dict[str, tuple[float, float]] = {}  # prefill deployment -> (time_s, slow arrival rate)
         self._last_s = -math.inf
+        self._kept: dict[str, int] = {}   # deployments _allocate kept at serving + starting -> replicas starting
 
     def decide(self, obs: Observation, budget: Budget) -> Decision:
         if obs.time_s < self._last_s:
@@ -325,8 +329,11 @@ class DeltaservePolicy:
             if n in experts:
                 reasons[n] = self._expert_reason(n, current, targets[n], own[n], given, budget)
             else:
-                reasons[n] = _reason(n, current, targets[n], self._holds[n].rule,
-                                     _bounds_note(n, wanted[n], targets[n], budget))
+                note = _bounds_note(n, wanted[n], targets[n], budget)
+                if n in self._kept and targets[n] > wanted[n] and n not in budget.pins:
+                    note = (f"kept at {targets[n]}: {self._kept[n]} still starting (keep_starting: a start-up is "
+                            f"not cancelled)")
+                reasons[n] = _reason(n, current, targets[n], self._holds[n].rule, note)
         return Decision(targets=targets, reasons=reasons, wanted=wanted)
 
     def _follow(self, callers: int) -> int:
@@ -409,6 +416,7 @@ class DeltaservePolicy:
         replica given takes the expert-shard replicas it needs with it (every shard alike), so a replica is
         given only if both fit; after the first pool the shards also get what their own busy share needs."""
         counts = {n: _floor(n, budget) for n in engines + experts}
+        counts = self._keep_starting(obs, budget, counts, engines)
         limit = {n: max(counts[n], min(_ceiling(n, budget), wanted[n])) for n in engines}
         rounds = [limit]
         if self.params.sustained_first:
@@ -424,10 +432,34 @@ class DeltaservePolicy:
                 if r == 0 and i == 0:
                     counts = raise_together(experts, counts, budget, {n: min(expert_limit[n], own[n]) for n in experts})
         if self.params.premium_headroom and pools:
-            group = [n for n in engines if obs.signals[n].pool == pools[0]]
+            # prefill first: a surge's first breach is its time to first token (prompts queue before streams do)
+            group = sorted((n for n in engines if obs.signals[n].pool == pools[0]),
+                           key=lambda n: obs.signals[n].kind != "prefill")
             spare = {n: max(counts[n], min(_ceiling(n, budget), wanted[n] + self.params.premium_headroom)) for n in group}
             counts = self._fill(group, wanted, counts, budget, spare, experts, expert_limit, engines)
         return counts
+
+    def _keep_starting(self, obs: Observation, budget: Budget, counts: dict[str, int],
+                       engines: list[str]) -> dict[str, int]:
+        """With ``keep_starting``: raise the floors of deployments with replicas still starting to what they
+        hold (serving + starting), in priority order while the budget lasts (a smaller budget from
+        ``ops budget`` still wins). Records which deployments were kept, for the reasons."""
+        self._kept = {}
+        if not self.params.keep_starting:
+            return counts
+        out = dict(counts)
+        rank = {pool: i for i, pool in enumerate(self.params.priority)}
+        for n in sorted(engines, key=lambda n: (rank.get(obs.signals[n].pool, len(rank)), n)):
+            s = obs.signals[n]
+            if not s.starting or n in budget.pins:
+                continue
+            keep = min(_ceiling(n, budget), s.replicas + s.starting)
+            if keep <= out[n]:
+                continue
+            trial = out | {n: keep}
+            if budget.spent(trial) <= budget.total + _EPS:
+                out, self._kept[n] = trial, s.starting
+        return out
 
     def _fill(self, group: list[str], wanted: dict[str, int], counts: dict[str, int], budget: Budget,
               limit: dict[str, int], experts: list[str], expert_limit: dict[str, int], engines: list[str]) -> dict[str, int]:

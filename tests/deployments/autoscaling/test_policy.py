@@ -288,6 +288,40 @@ def test_spare_budget_goes_to_the_premium_pool_and_is_taken_back_first():
     assert plain.targets["prefill-highspeed"] == plain.targets["decode-highspeed"] == 1
 
 
+def test_a_spare_that_fits_once_goes_to_prefill_first():
+    # budget 6: floors 4, standard decode wants 2 (40 running) -> one replica left for highspeed's spare:
+    # prefill's (a surge breaches time to first token before it fills decode's batch)
+    d = DeltaservePolicy().decide(observe(0.0, decode("standard", running=40)), Budget(6))
+    assert d.targets == {"prefill-highspeed": 2, "decode-highspeed": 1, "decode-standard": 2, "prefill-standard": 1}
+
+
+def test_a_starting_replica_is_not_taken_back_until_it_serves():
+    # highspeed prefill was given a third replica (2 serving + 1 starting); standard's decode need then grows past
+    # the budget. With keep_starting the start-up stands (the reason says so) and standard waits; once the
+    # replica serves, the budget goes by the needs again. Without keep_starting it is cancelled at once.
+    budget = Budget(7)
+    hs = dict(replicas=2, rate=1.0, prompt=1000.0)  # wants 1000 / (0.7 x 1000) = 1.43 -> 2
+    starting = DeploymentSignal("prefill-highspeed", "highspeed", "prefill", 2, starting=1, arrival_rate=1.0,
+                                mean_prompt_tokens=1000.0, tokens_per_s=1000.0, batch_cap=32)
+    grown = decode("standard", running=80)  # wants 80 / 27.2 = 2.94 -> 3
+    def after_the_raise(params: DeltaserveParams, budget: Budget):
+        policy = DeltaservePolicy(params)
+        policy.decide(observe(0.0, prefill("highspeed", **hs)), budget)  # it wants 2 (the third came from a breach)
+        return policy.decide(observe(2.0, starting, grown), budget)
+
+    kept = after_the_raise(PLAIN, budget)
+    assert kept.targets["prefill-highspeed"] == 3 and kept.targets["decode-standard"] == 2
+    assert "1 still starting" in kept.reasons["prefill-highspeed"]
+    check_bounds(kept.targets, budget)
+    served = DeltaservePolicy(PLAIN).decide(observe(0.0, prefill("highspeed", **hs), grown), budget)
+    assert served.targets["prefill-highspeed"] == 2 and served.targets["decode-standard"] == 3
+    cancel = after_the_raise(DeltaserveParams(premium_headroom=0, keep_starting=False), budget)
+    assert cancel.targets["prefill-highspeed"] == 2 and cancel.targets["decode-standard"] == 3
+    # a smaller budget (ops budget) still wins over a start-up
+    small = after_the_raise(PLAIN, Budget(5))
+    assert small.targets["prefill-highspeed"] == 2 and sum(small.targets.values()) == 5
+
+
 def test_a_surge_scales_up_within_one_tick():
     policy, budget = DeltaservePolicy(PLAIN), Budget(12)
     for tick in range(10):

@@ -16,7 +16,7 @@ A tick of DeltaservePolicy::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from deployments.autoscaling.signals import Budget, Decision, DeploymentSignal, Observation, Slo
 
@@ -134,6 +134,10 @@ class DeltaserveParams:
     premium_headroom: int = 1            # budget left after every pool's want: up to this many replicas more for
                                          # each engine deployment of the first pool in ``priority`` (a surge there
                                          # meets a spare replica instead of a start-up); 0 = leave it unused
+    capacity_tau_s: float = 300.0        # a prefill replica's capacity is the peak of its measured tokens/s,
+                                         # decaying with this time constant: replicas sharing a saturated CPU
+                                         # each measure less, and sizing from that asks for replicas that add
+                                         # no CPU (0 = the window's measured rate as it is)
     keep_starting: bool = True           # a replica still starting is not taken back (for the budget or a lower
                                          # need) until it serves: cancelling start-ups under contention is churn
                                          # that serves nothing and, on a shared host, costs the CPU it started on
@@ -149,7 +153,8 @@ class DeltaserveParams:
         if bad:
             raise ValueError(f"DeltaserveParams: these must be in (0, 1]: {bad}")
         nonneg = {"up_tolerance": self.up_tolerance, "down_cooldown_s": self.down_cooldown_s,
-                  "breach_cooldown_s": self.breach_cooldown_s, "forecast_horizon_s": self.forecast_horizon_s}
+                  "breach_cooldown_s": self.breach_cooldown_s, "forecast_horizon_s": self.forecast_horizon_s,
+                  "capacity_tau_s": self.capacity_tau_s}
         bad = {k: v for k, v in nonneg.items() if not v >= 0.0}
         if bad:
             raise ValueError(f"DeltaserveParams: these must be >= 0: {bad}")
@@ -303,6 +308,7 @@ class DeltaservePolicy:
         self._holds: dict[str, _Hold] = {}
         self._holt: dict[str, _Holt] = {}
         self._slow: dict[str, tuple[float, float]] = {}  # prefill deployment -> (time_s, slow arrival rate)
+        self._peak: dict[str, tuple[float, float]] = {}  # prefill deployment -> (time_s, peak tokens/s)
         self._last_s = -math.inf
         self._kept: dict[str, int] = {}   # deployments _allocate kept at serving + starting -> replicas starting
 
@@ -350,7 +356,19 @@ class DeltaservePolicy:
         slo = Slo(*obs.slo[s.pool])
         if s.kind == "decode":
             return decode_need(s, slo, self.params)
+        s = self._capacity(s, obs.time_s)
         return prefill_need(s, slo, self.params, self._forecast(s, obs.time_s), self._slow_rate(s, obs.time_s))
+
+    def _capacity(self, s: DeploymentSignal, now: float) -> DeploymentSignal:
+        """``s`` with ``tokens_per_s`` raised to the decaying peak of what the deployment measured
+        (time constant ``capacity_tau_s``): a replica's capacity, not what it did while sharing a CPU."""
+        tau = self.params.capacity_tau_s
+        if not tau or s.tokens_per_s is None:
+            return s
+        last = self._peak.get(s.name)
+        peak = s.tokens_per_s if last is None else max(s.tokens_per_s, last[1] * math.exp(-(now - last[0]) / tau))
+        self._peak[s.name] = (now, peak)
+        return s if peak == s.tokens_per_s else replace(s, tokens_per_s=peak)
 
     def _slow_rate(self, s: DeploymentSignal, now: float) -> float:
         """Exponentially weighted mean of the arrival rate, time constant ``sustained_tau_s``."""

@@ -322,6 +322,24 @@ def test_a_starting_replica_is_not_taken_back_until_it_serves():
     assert small.targets["prefill-highspeed"] == 2 and sum(small.targets.values()) == 5
 
 
+def test_prefill_capacity_is_the_decaying_peak_of_the_measured_rate():
+    # 1 req/s x 1000 prompt tokens: at 1000 tok/s per replica it needs 1000 / (0.7 x 1000) = 1.43 -> 2. When
+    # the replicas then measure 400 tok/s (they share a saturated CPU), the peak still counts (a third replica
+    # would add no CPU); it decays with capacity_tau_s, and without it the drop asks for 1000 / 280 -> 4
+    def at(rate_measured: float) -> DeploymentSignal:
+        return DeploymentSignal("prefill-highspeed", "highspeed", "prefill", 2, arrival_rate=1.0,
+                                mean_prompt_tokens=1000.0, tokens_per_s=rate_measured, batch_cap=32)
+
+    def need(params: DeltaserveParams, t: float) -> float:
+        policy = DeltaservePolicy(params)
+        policy.decide(observe(0.0, at(1000.0)), Budget(12))
+        return policy._engine_need(at(400.0), observe(t, at(400.0))).replicas
+
+    assert need(PLAIN, 2.0) == pytest.approx(1000 / (0.7 * 1000 * math.exp(-2.0 / 300)))
+    assert need(PLAIN, 900.0) == pytest.approx(1000 / (0.7 * 400))   # the peak has decayed below the measure
+    assert need(DeltaserveParams(premium_headroom=0, capacity_tau_s=0.0), 2.0) == pytest.approx(1000 / (0.7 * 400))
+
+
 def test_a_surge_scales_up_within_one_tick():
     policy, budget = DeltaservePolicy(PLAIN), Budget(12)
     for tick in range(10):

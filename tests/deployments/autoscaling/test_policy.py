@@ -295,6 +295,18 @@ def test_a_spare_that_fits_once_goes_to_prefill_first():
     assert d.targets == {"prefill-highspeed": 2, "decode-highspeed": 1, "decode-standard": 2, "prefill-standard": 1}
 
 
+def test_an_idle_premium_pool_keeps_its_spare_above_the_floor():
+    # no highspeed load for longer than the cooldown: its wants fall to 0, below the floors (1). The spare round
+    # counts from the floor, so the first request of a surge still meets floor + premium_headroom replicas
+    policy, budget = DeltaservePolicy(DeltaserveParams(down_cooldown_s=60.0, down_band=0.8)), Budget(6)
+    d = None
+    for i in range(40):
+        d = policy.decide(observe(2.0 * i), budget)
+    assert d.wanted["prefill-highspeed"] == d.wanted["decode-highspeed"] == 0
+    assert d.targets == {"prefill-highspeed": 2, "decode-highspeed": 2, "decode-standard": 1, "prefill-standard": 1}
+    assert "1 spare of the unused budget" in d.reasons["prefill-highspeed"]
+
+
 def test_a_starting_replica_is_not_taken_back_until_it_serves():
     # highspeed prefill was given a third replica (2 serving + 1 starting); standard's decode need then grows past
     # the budget. With keep_starting the start-up stands (the reason says so) and standard waits; once the

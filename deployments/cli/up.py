@@ -88,7 +88,7 @@ def deploy(apps: list[tuple[str, str, PlatformConfig]], *, timeout_s: float = 90
     raise TimeoutError(f"applications {sorted(names)} not running after {timeout_s:.0f}s")
 
 
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}  # tensors >= 1 MiB are mmapped and returned on free
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(8 << 20)}  # tensors >= 8 MiB are mmapped and returned on free
 
 
 def serve_env(config: PlatformConfig) -> dict[str, str]:
@@ -96,10 +96,14 @@ def serve_env(config: PlatformConfig) -> dict[str, str]:
 
     Always: Serve's gRPC proxy listens on ``config.host`` (Serve binds every interface by itself;
     :func:`deployments.gateway.grpc_proxy.bind_grpc_to_host` is the proxy callback that moves it).
-    And glibc's mmap threshold is fixed at 1 MiB (:data:`MALLOC_ENV`): by default it rises after the
-    first large free, so later large tensors come from the heap and a replica's resident memory
-    keeps the high-water mark of its largest step (benchmarks/results/soak.md: a prefill replica
-    +31% over a soak with the default, +1% with this).
+    And glibc's mmap threshold is fixed at 8 MiB (:data:`MALLOC_ENV`). By default it rises after the
+    first large free (up to 32 MiB), so later large tensors come from the heap and a replica's
+    resident memory keeps the high-water mark of its largest step (benchmarks/results/soak.md: a
+    prefill replica +31% over a soak with the default). Fixed too low, every step's activations
+    (a 1,024-token chunk's widest is 5.5 MB at k3-tiny's widths) are fresh mmaps that page-fault
+    in: at 1 MiB prefill took 1.3-1.5x the CPU it takes at 8 MiB, which is within 6% of the default
+    (benchmarks/results/malloc_threshold.md). The soak at 8 MiB kept the engine replicas within +1%
+    of their size after warm-up (benchmarks/results/soak.md).
 
     Throughput-optimized Serve (a documented mode since Ray 2.55, unless ``--serve-actor-calls``)
     sends requests and streamed items between replicas over gRPC instead of Ray actor calls and

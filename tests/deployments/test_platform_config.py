@@ -65,7 +65,7 @@ def test_serve_env_is_throughput_optimized_with_serve_proxies_and_never_override
 
     env = serve_env(PlatformConfig())
     grpc_host = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "deployments.gateway.grpc_proxy.bind_grpc_to_host",
-                 "DELTASERVE_GRPC_HOST": "127.0.0.1", "MALLOC_MMAP_THRESHOLD_": "1048576"}
+                 "DELTASERVE_GRPC_HOST": "127.0.0.1", "MALLOC_MMAP_THRESHOLD_": "8388608"}
     assert env == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
                    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1", **grpc_host}
     assert serve_env(PlatformConfig(serve_throughput_optimized=False)) == grpc_host

@@ -453,7 +453,9 @@ class DeltaservePolicy:
             # prefill first: a surge's first breach is its time to first token (prompts queue before streams do)
             group = sorted((n for n in engines if obs.signals[n].pool == pools[0]),
                            key=lambda n: obs.signals[n].kind != "prefill")
-            spare = {n: max(counts[n], min(_ceiling(n, budget), max(wanted[n], _floor(n, budget)) + self.params.premium_headroom)) for n in group}
+            # up to premium_headroom beyond the want, or beyond the floor where the want is below it (an idle pool)
+            spare = {n: max(counts[n], min(_ceiling(n, budget), max(wanted[n], _floor(n, budget))
+                                           + self.params.premium_headroom)) for n in group}
             counts = self._fill(group, wanted, counts, budget, spare, experts, expert_limit, engines)
         return counts
 

@@ -8,7 +8,7 @@ the same prefill waves in one child process per setting (the variable is read wh
 starts), interleaved over ``--rounds``:
 
 * ``default``: glibc's dynamic threshold (rises after the first large free, up to 32 MiB);
-* ``1 MiB``: the earlier fixed value;
+* ``1 MiB``: a low fixed value (every activation of a 1,024-token step at or above it is mmapped);
 * ``8 MiB``: the value ``MALLOC_ENV`` sets.
 
 Each child builds ``Prefill(PlatformConfig(cache off), "standard")`` (k3-tiny, one torch thread, the

@@ -57,8 +57,8 @@ class PoolConfig(_Strict):
     prefill_share: float = Field(0.25, gt=0, le=1, description="most of a decode step's time that prefill of new "
                                  "requests may take where the two share a CPU: in one engine, a step that decodes "
                                  "takes only the prompt tokens that fit this share at its measured costs (chunked "
-                                 "prefill interleaved with decode); a prefill replica's step thread is put at the "
-                                 "matching nice (0.25: 5) unless it already runs at that or lower priority (Ray's "
+                                 "prefill interleaved with decode); a prefill replica's step thread is put the "
+                                 "matching number of nice levels (0.25: 5) below its process's, at most 19 (Ray's "
                                  "workers start at nice 15: see docs/architecture.md). 1 = no limit")
     request_timeout_s: float = Field(600.0, gt=0, description="end-to-end deadline of one request in this pool, "
                                      "failovers included (the frontend enforces it; past it: 504)")

@@ -35,9 +35,11 @@ A consumer that stops early (``aclose()``, task cancellation on client disconnec
 its request: one still queued for the next step is taken off the queue and never added; one
 in the engine is aborted right after the step under way (its slot is free before the next).
 
-``step_nice`` (a prefill replica's prefill share, :func:`nice_for_share`): the nice value of the
-thread that runs the steps (Linux schedules threads; the event loop keeps its priority, so replies
-go out at once). When another process wants the same core (a decode replica beside it) the kernel
+``step_nice`` (a prefill replica's prefill share, :func:`nice_for_share`): how many nice levels the
+thread that runs the steps sits below its process (at most 19; Linux schedules threads, and the event
+loop keeps the process's priority, so replies go out at once). Relative, because Ray starts every
+worker process at nice 15: the prefill replica's steps then run at 19 (15 + 5, capped) beside a decode
+replica's at 15. When another process wants the same core (a decode replica beside it) the kernel
 gives that one the larger part; an idle machine still gives the steps all of it.
 
 A failed step fails only its requests: their generators raise
@@ -92,7 +94,7 @@ class AsyncEngine:
             raise ValueError(f"step_nice must be an integer in 0..{MAX_NICE}, got {step_nice!r}")
         self.engine = engine
         self.step_nice = step_nice
-        self._niced: set[int] = set()  # native ids of the step threads already at step_nice
+        self._niced: set[int] = set()  # native ids of the step threads already lowered
         # the one thread that runs the steps (only it takes step_nice; aborts and others use the loop's pool)
         self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         self.gather_wait_s, self.gather_gap_s = gather_wait_s, gather_gap_s
@@ -299,16 +301,19 @@ class AsyncEngine:
                 return errors, [], e, True
 
     def _lower_priority(self) -> None:
-        """Put the calling (step) thread at ``step_nice`` once; never raises it back (that needs privileges)."""
+        """Lower the calling (step) thread ``step_nice`` levels below the priority it started at (which
+        it inherits from the process), once, at most to 19; never raises it back (that needs privileges)."""
         tid = threading.get_native_id()
         if not self.step_nice or tid in self._niced:
             return
         self._niced.add(tid)
         try:
-            if os.getpriority(os.PRIO_PROCESS, tid) < self.step_nice:
-                os.setpriority(os.PRIO_PROCESS, tid, self.step_nice)
+            start = os.getpriority(os.PRIO_PROCESS, tid)
+            target = min(MAX_NICE, start + self.step_nice)
+            if target > start:
+                os.setpriority(os.PRIO_PROCESS, tid, target)
         except OSError as e:  # not Linux, or a sandbox that forbids it: the steps run at the process's priority
-            log.warning("could not lower the engine step thread's priority to nice %d: %s", self.step_nice, e)
+            log.warning("could not lower the engine step thread's priority by %d nice levels: %s", self.step_nice, e)
 
     def _stop(self, error: EngineBroken) -> None:
         """The engine is broken: fail every waiting caller with ``error``, step no more."""

@@ -116,24 +116,39 @@ def test_engine_caps_prefill_beside_decode_and_keeps_the_tokens(model, tok):
     assert len(capped_steps) > len(free_steps)
 
 
-def test_the_step_thread_runs_at_step_nice_and_the_loop_keeps_its_priority(model, tok):
+@pytest.mark.parametrize("process_nice", [0, 15], ids=["nice-0", "ray-worker-nice-15"])
+def test_the_step_thread_runs_step_nice_below_its_process_and_the_loop_keeps_its_priority(model, tok, process_nice):
+    """Relative to the nice its event loop runs at (Ray starts its workers at 15: the steps then go to 19,
+    capped), so a prefill replica yields to a decode replica at Ray's nice too; the loop keeps its priority.
+    The loop runs in a thread of its own lowered to ``process_nice`` (lowering needs no privileges), from
+    which the step thread inherits it, as it does from a Ray worker's main thread."""
     if not hasattr(os, "getpriority"):
         pytest.skip("no per-thread priorities here")
-    loop_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    step_nice = min(19, loop_nice + 3)
     engine = Engine(ModelRunner(model, 2), tok, EngineConfig(num_slots=2, max_num_seqs=2, max_num_batched_tokens=64))
     seen: list[int] = []
     engine.on_step = lambda s: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-    ae = AsyncEngine(engine, step_nice=step_nice)
+    step_nice, got = 3, {}
 
     async def go():
+        ae = AsyncEngine(engine, step_nice=step_nice)
         async with contextlib.aclosing(ae.generate(GenerationRequest("n", tok.encode("x = 1\n"), 3))) as outs:
             async for _ in outs:
                 pass
         await ae.shutdown()
 
-    asyncio.run(go())
-    assert seen and set(seen) == {step_nice}
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == loop_nice
+    def loop_thread():
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), process_nice))
+        got["loop"] = os.getpriority(os.PRIO_PROCESS, tid)
+        asyncio.run(go())
+        got["loop after"] = os.getpriority(os.PRIO_PROCESS, tid)
+
+    t = threading.Thread(target=loop_thread)
+    t.start()
+    t.join()
+    assert seen and set(seen) == {min(19, got["loop"] + step_nice)}, (got, seen)
+    assert got["loop after"] == got["loop"]
+    if got["loop"] == 15:
+        assert set(seen) == {18}
     with pytest.raises(ValueError, match="step_nice"):
         AsyncEngine(engine, step_nice=20)

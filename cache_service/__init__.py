@@ -22,26 +22,39 @@ The request path uses :class:`PrefixCache` (:mod:`cache_service.client`): prefix
 checkpoint recording through a background writer, handoff entries, flush notifications.
 """
 
-from .admin import cache_stats, flush, format_stats
-from .breaker import CircuitBreaker
-from .client import CacheKey, CacheSettings, Lookup, PrefixCache, Recorder, flush_cache
-from .codec import (
-    CorruptEntry,
-    EntryMac,
-    ForgedEntry,
-    Layout,
-    default_key_path,
-    load_cache_key,
-    decode_kda_checkpoint,
-    decode_mla_block,
-    encode_kda_checkpoint,
-    encode_mla_block,
-)
-from .hashing import BLOCK_HASH_BYTES, block_hashes, chain_hash, root_hash
-from .keys import check_tenant, handoff_key, kda_key, key_kind, mla_key, session_key, stats_key, tenant_pattern
-from .lru import ByteLRU
-from .redis_server import LocalRedisServer, find_free_port
-from .store import RedisStore
+import importlib
+
+# name -> the submodule that defines it, imported on first use (PEP 562): the CLI's parsers and the
+# tenancy modules take the breaker and the store without importing the codec's torch and the model.
+_EXPORTS = {
+    "cache_stats": "admin", "flush": "admin", "format_stats": "admin",
+    "CircuitBreaker": "breaker",
+    "CacheKey": "client", "CacheSettings": "client", "Lookup": "client", "PrefixCache": "client",
+    "Recorder": "client", "flush_cache": "client",
+    "CorruptEntry": "codec", "EntryMac": "codec", "ForgedEntry": "codec", "Layout": "codec",
+    "default_key_path": "codec", "load_cache_key": "codec", "decode_kda_checkpoint": "codec",
+    "decode_mla_block": "codec", "encode_kda_checkpoint": "codec", "encode_mla_block": "codec",
+    "BLOCK_HASH_BYTES": "hashing", "block_hashes": "hashing", "chain_hash": "hashing", "root_hash": "hashing",
+    "check_tenant": "keys", "handoff_key": "keys", "kda_key": "keys", "key_kind": "keys", "mla_key": "keys",
+    "session_key": "keys", "stats_key": "keys", "tenant_pattern": "keys",
+    "ByteLRU": "lru",
+    "LocalRedisServer": "redis_server", "find_free_port": "redis_server",
+    "RedisStore": "store",
+}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
 
 __all__ = [
     "BLOCK_HASH_BYTES",

@@ -8,6 +8,7 @@ both pools, experts colocated, HTTP on 127.0.0.1:8000 and gRPC on 127.0.0.1:9000
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Literal
@@ -302,3 +303,8 @@ class PlatformConfig(_Strict):
         path = Path(source)
         text = path.read_text()
         return cls.model_validate(json.loads(text) if path.suffix == ".json" else yaml.safe_load(text) or {})
+
+
+def redis_url(config: PlatformConfig) -> str | None:
+    """The cache's Redis: the config's URL, else $DELTASERVE_REDIS_URL, else none (LRU only)."""
+    return config.cache.redis_url or os.environ.get("DELTASERVE_REDIS_URL") or None

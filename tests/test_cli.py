@@ -35,3 +35,13 @@ def test_generate_bad_arguments_exit_2_with_message():
     assert out.returncode == 2 and "--max-tokens" in out.stderr
     out = _run("generate", "--model", "tiny-k3", "--prompt", "x", "--temperature", "-1")
     assert out.returncode == 2 and "temperature" in out.stderr
+
+
+def test_the_command_line_s_parsers_do_not_import_torch():
+    """Every `deltaserve` command builds the whole parser first: it must not pay torch's and the model's
+    import (seconds on a busy machine) before `ops`, `tenants` or `usage` do their small work."""
+    code = ("import sys; from deployments.cli.main import build_parser; build_parser(); "
+            "print(sorted(m for m in ('torch', 'model', 'ray', 'triton') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

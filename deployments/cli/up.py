@@ -18,11 +18,10 @@ import threading
 import time
 
 from deployments.autoscaling.settings import OpsSettings
-from deployments.config import MetricsConfig, PlatformConfig
+from deployments.config import MetricsConfig, PlatformConfig, redis_url
 from deployments.gateway.grpc_proxy import GRPC_HOST_ENV, PROXY_CALLBACK
 from deployments.observability.prometheus import port_is_free
 from deployments.observability.tracing import otlp_export
-from deployments.workers.replica import redis_url
 
 GRPC_SERVICER = "deployments.gateway.grpc_proxy.add_inference_servicer"
 

@@ -17,10 +17,9 @@ from cache_service.admin import cache_stats
 from cache_service.client import flush_cache
 from cache_service.store import RedisStore
 
-from deployments.config import PlatformConfig
+from deployments.config import PlatformConfig, redis_url
 from deployments.observability import metrics
 from deployments.tenancy.ledger import UsageExporter, UsageLedger
-from deployments.workers.replica import redis_url
 
 
 class CacheAdmin:

@@ -16,7 +16,7 @@ from model.config import ModelConfig
 from model.network import KimiForCausalLM
 from model.tokenizer import Tokenizer
 
-from deployments.config import PlatformConfig
+from deployments.config import PlatformConfig, redis_url
 
 
 def replica_id() -> str:
@@ -42,11 +42,6 @@ def stop_token_ids(tokenizer: Tokenizer, *, chat: bool) -> tuple[int, ...]:
         if end is not None:
             ids.append(end)
     return tuple(ids)
-
-
-def redis_url(config: PlatformConfig) -> str | None:
-    """The cache's Redis: the config's URL, else $DELTASERVE_REDIS_URL, else none (LRU only)."""
-    return config.cache.redis_url or os.environ.get("DELTASERVE_REDIS_URL") or None
 
 
 def make_cache(config: PlatformConfig, model_config: ModelConfig) -> PrefixCache | None:

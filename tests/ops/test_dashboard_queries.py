@@ -10,8 +10,8 @@ context (400), ``beta`` over its rate (429) and on highspeed (403).
 Then each dashboard variable's own ``label_values`` query gives its values (asserted: the pools,
 the tenants, cluster ``local``), each panel query is run with them substituted as Grafana would
 (multi-value: ``(a|b)``; ``$__rate_interval``: 1m; ``$__range``: 10m) and must return at least one
-series with a finite value (a time-series panel's query: at the last instant, or else anywhere in the last
-minute it draws). The table of panels and their results is printed (also without ``-s``),
+series with a finite value (a time-series panel's query: each series at the last instant, or else at its
+last finite point in the last minute the panel draws). The table of panels and their results is printed (also without ``-s``),
 written to ``dashboard_queries.txt`` in the test's tmp dir and attached to the report
 (``record_property``).
 
@@ -212,13 +212,17 @@ def run_panels(prom: str, name: str, board: dict, values: dict[str, str]) -> lis
         for target in panel.get("targets", []):
             expr = substitute(target["expr"], values)
             series = promql(prom, expr)
+            if target.get("range"):
+                # A time-series panel draws its range, not the last instant. A series missing from the newest
+                # scrape (Ray's metrics agent drops a gauge whose exporter is more than 2 s late: its TTL is two
+                # export intervals) or NaN there (a ratio of rates with no increase in the last minute) still
+                # draws its line: it counts with its last finite point in the last minute; a series finite at
+                # the last instant keeps that value.
+                drawn = {tuple(sorted(s["metric"].items())): s for s in promql_range(prom, expr)}
+                at_instant = {tuple(sorted(s["metric"].items())): s for s in series}
+                series = [s if math.isfinite(float(s["value"][1])) else drawn.get(k, s) for k, s in at_instant.items()]
+                series += [s for k, s in drawn.items() if k not in at_instant]
             finite = [s for s in series if math.isfinite(float(s["value"][1]))]
-            if not finite and target.get("range"):
-                # A time-series panel draws its range, not the last instant. Ray's metrics agent drops a gauge
-                # whose replica's export is more than 2 s late (its gauge TTL: two export intervals), so on a
-                # loaded machine a gauge can be missing from the newest scrape while the panel shows its line.
-                series = promql_range(prom, expr)
-                finite = [s for s in series if math.isfinite(float(s["value"][1]))]
             sample = ""
             if series:
                 s = (finite or series)[0]

@@ -40,8 +40,8 @@ class EngineReplica:
                          max_model_len=config.max_model_len, prefill_share=config.pools[pool].prefill_share),
         )
         wait, gap = config.pools[pool].gather_s(kind)
-        # a prefill replica's steps are meant to yield the CPU to a decode replica (PoolConfig.prefill_share); under
-        # Ray, whose workers start at nice 15, the step thread stays at 15 (docs/architecture.md, "Prefill and decode")
+        # a prefill replica's steps yield the CPU to a decode replica (PoolConfig.prefill_share): the step thread goes
+        # that many nice levels below its process, 15 -> 19 under Ray (docs/architecture.md, "Prefill and decode")
         nice = nice_for_share(config.pools[pool].prefill_share) if kind == "prefill" else 0
         self.async_engine = AsyncEngine(self.engine, gather_wait_s=wait, gather_gap_s=gap, step_nice=nice)
         self.replica = replica_id()

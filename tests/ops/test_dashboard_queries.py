@@ -11,9 +11,9 @@ Then each dashboard variable's own ``label_values`` query gives its values (asse
 the tenants, cluster ``local``), each panel query is run with them substituted as Grafana would
 (multi-value: ``(a|b)``; ``$__rate_interval``: 1m; ``$__range``: 10m) and must return at least one
 series with a finite value (a time-series panel's query: each series at the last instant, or else at its
-last finite point in the last minute the panel draws). The table of panels and their results is printed (also without ``-s``),
-written to ``dashboard_queries.txt`` in the test's tmp dir and attached to the report
-(``record_property``).
+last finite point in the last minute the panel draws). The table of panels and their results is printed
+(also without ``-s``), written to ``dashboard_queries.txt`` in the test's tmp dir and attached to the
+report (``record_property``).
 
 Before the load, the same platform shows the embedded Prometheus works as `deltaserve up` documents it
 (ready line, Ray's discovery, rule groups, Serve's replica series, a user's own Prometheus beside it);
@@ -152,11 +152,15 @@ class Load:
         self.outcomes(round_no)
 
 
-def promql(prom: str, expr: str) -> list[dict]:
-    r = httpx.get(f"{prom}/api/v1/query", params={"query": expr}, timeout=30)
+def _prom_get(prom: str, path: str, params: dict) -> list[dict]:
+    r = httpx.get(f"{prom}/api/v1/{path}", params=params, timeout=30)
     body = r.json()
-    assert r.status_code == 200 and body["status"] == "success", (expr, r.status_code, body)
+    assert r.status_code == 200 and body["status"] == "success", (params, r.status_code, body)
     return body["data"]["result"]
+
+
+def promql(prom: str, expr: str) -> list[dict]:
+    return _prom_get(prom, "query", {"query": expr})
 
 
 def regex_of(values: list[str]) -> str:
@@ -195,12 +199,8 @@ def promql_range(prom: str, expr: str, window_s: float = 60) -> list[dict]:
     """``expr`` over the last ``window_s`` at the scrape interval, as a time-series panel draws it; each
     series as an instant result holding its last finite point (its last point if none is finite)."""
     end = time.time()
-    r = httpx.get(f"{prom}/api/v1/query_range",
-                  params={"query": expr, "start": end - window_s, "end": end, "step": SCRAPE_S}, timeout=30)
-    body = r.json()
-    assert r.status_code == 200 and body["status"] == "success", (expr, r.status_code, body)
     out = []
-    for s in body["data"]["result"]:
+    for s in _prom_get(prom, "query_range", {"query": expr, "start": end - window_s, "end": end, "step": SCRAPE_S}):
         finite = [v for v in s["values"] if math.isfinite(float(v[1]))]
         out.append({"metric": s["metric"], "value": (finite or s["values"])[-1]})
     return out

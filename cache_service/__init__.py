@@ -30,7 +30,7 @@ _EXPORTS = {
     "cache_stats": "admin", "flush": "admin", "format_stats": "admin",
     "CircuitBreaker": "breaker",
     "CacheKey": "client", "CacheSettings": "client", "Lookup": "client", "PrefixCache": "client",
-    "Recorder": "client", "flush_cache": "client",
+    "Recorder": "client", "flush_cache": "admin",
     "CorruptEntry": "codec", "EntryMac": "codec", "ForgedEntry": "codec", "Layout": "codec",
     "default_key_path": "codec", "load_cache_key": "codec", "decode_kda_checkpoint": "codec",
     "decode_mla_block": "codec", "encode_kda_checkpoint": "codec", "encode_mla_block": "codec",

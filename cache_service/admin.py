@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from .keys import KINDS, PREFIX, key_kind, stats_key, tenant_pattern
+import time
+
+from .keys import FLUSH_EPOCHS_KEY, KINDS, PREFIX, key_kind, stats_key, tenant_pattern
 from .store import RedisStore
 
 _BATCH = 1000
@@ -109,3 +111,12 @@ def format_stats(stats: dict) -> str:
         cells = [cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))]
         lines.append("  ".join([*cells, row[-1]]).rstrip())
     return "\n".join(lines)
+
+
+def flush_cache(store: RedisStore, tenant: str | None = None) -> int:
+    """Delete a tenant's entries (or all) from Redis and tell every replica to drop them from
+    its LRU (they poll :data:`FLUSH_EPOCHS_KEY`); the number of Redis keys removed."""
+    removed = flush(store, tenant)
+    if not store.hset(FLUSH_EPOCHS_KEY, {tenant or "*": f"{time.time():.6f}"}, 30 * 86400):
+        raise ConnectionError(f"Redis at {store.url} is unavailable: replicas were not told to drop their copies")
+    return removed

@@ -36,13 +36,12 @@ from model.state import SequenceState
 from .codec import (CorruptEntry, EntryMac, ForgedEntry, Layout, decode_kda_checkpoint, decode_mla_block,
                     encode_kda_checkpoint, encode_mla_block)
 from .hashing import block_hashes, chain_hash, root_hash
-from .keys import check_tenant, handoff_key, kda_key, key_kind, mla_key, session_key, stats_key
+from .keys import FLUSH_EPOCHS_KEY, check_tenant, handoff_key, kda_key, key_kind, mla_key, session_key, stats_key
 from .lru import ByteLRU
 from .store import RedisStore
 
 log = logging.getLogger(__name__)
 
-FLUSH_EPOCHS_KEY = "ds:v1:flush"  # hash: tenant (or "*") → time of its last flush; replicas drop their LRU entries when it changes
 
 
 class CheckpointLike(Protocol):
@@ -392,14 +391,3 @@ class Recorder:
             cache.store.hset(session_key(tenant, self.key.session_id),
                              {"tenant": tenant, "position": last[0], "hash": last[1].hex(), "updated": int(time.time())},
                              cache.settings.session_ttl_s)
-
-
-def flush_cache(store: RedisStore, tenant: str | None = None) -> int:
-    """Delete a tenant's entries (or all) from Redis and tell every replica to drop them from
-    its LRU (they poll :data:`FLUSH_EPOCHS_KEY`); the number of Redis keys removed."""
-    from .admin import flush
-
-    removed = flush(store, tenant)
-    if not store.hset(FLUSH_EPOCHS_KEY, {tenant or "*": f"{time.time():.6f}"}, 30 * 86400):
-        raise ConnectionError(f"Redis at {store.url} is unavailable: replicas were not told to drop their copies")
-    return removed

@@ -78,3 +78,5 @@ def key_kind(key: str) -> tuple[str, str]:
         raise ValueError(f"not a deltaserve cache key: {key!r:.300}")
     check_tenant(tenant)
     return tenant, kind
+
+FLUSH_EPOCHS_KEY = "ds:v1:flush"  # hash: tenant (or "*") → time of its last flush; replicas drop their LRU entries when it changes

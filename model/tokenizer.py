@@ -153,3 +153,13 @@ def encode_chat(tokenizer: Tokenizer, messages: list[tuple[str, str]], *, add_ge
     if add_generation_prompt:
         ids += start + tokenizer.encode("assistant\n")
     return ids
+
+
+def stop_token_ids(tokenizer: Tokenizer, *, chat: bool) -> tuple[int, ...]:
+    """End-of-sequence ids (and the end-of-turn marker for chat) for the byte tokenizer or an HF one."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    if chat:
+        end = getattr(tokenizer, "special_ids", {}).get("<|im_end|>")
+        if end is not None:
+            ids.append(end)
+    return tuple(ids)

@@ -14,7 +14,7 @@ import sys
 
 def _via_redis(args: argparse.Namespace):
     from cache_service.admin import cache_stats
-    from cache_service.client import flush_cache
+    from cache_service.admin import flush_cache
     from cache_service.store import RedisStore
 
     store = RedisStore(args.redis_url, timeout_s=2.0)

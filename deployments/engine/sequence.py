@@ -15,9 +15,11 @@ from enum import Enum
 
 import torch
 
-from model.runner import SamplingParams
+from model.sampling import SamplingParams
 from model.state import SequenceState
 from model.tokenizer import Tokenizer
+
+from .logprobs import LOGPROB_FLOOR, TokenLogprob  # noqa: F401  (re-exported)
 
 # Prompt tokens decoded in front of the output so tokenizers that render a token differently
 # at the start of a string (a leading space in SentencePiece-style vocabularies) decode the
@@ -100,20 +102,6 @@ class Checkpoint:
     mla: list[torch.Tensor]  # per MLA layer [position - block_start, latent]
     kda: list[torch.Tensor] | None = None  # per KDA layer [H, K, V] at ``position``
     conv: list[torch.Tensor] | None = None  # per KDA layer conv tails at ``position``
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    """A sampled token's log-probability and the most likely alternatives at its position:
-    log-softmax of the step's logits after penalties, before temperature (as vLLM's default).
-    A token the model rules out (logit -inf) has logprob :data:`LOGPROB_FLOOR`."""
-
-    token_id: int  # the sampled token
-    logprob: float  # its log-probability, <= 0
-    top: tuple[tuple[int, float], ...]  # (token id, logprob) of the top ``SamplingParams.logprobs`` tokens, most likely first
-
-
-LOGPROB_FLOOR = -9999.0  # reported for a logprob of -inf (OpenAI's value): JSON has no infinity
 
 
 @dataclass

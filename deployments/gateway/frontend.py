@@ -31,10 +31,10 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Mapping, Protocol
 
-from model.runner import SamplingParams
-from model.tokenizer import Tokenizer, encode_chat
+from model.sampling import SamplingParams
+from model.tokenizer import Tokenizer, encode_chat, stop_token_ids
 
-from deployments.engine.sequence import TokenLogprob
+from deployments.engine.logprobs import TokenLogprob
 from deployments.observability import tracing
 from deployments.gateway.affinity import routing_keys
 from deployments.gateway.protocol import (DEFAULT_REQUEST_TIMEOUT_S, HIGHSPEED_SUFFIX, SEED_MAX, SEED_MIN, CompletionInput,
@@ -43,7 +43,6 @@ from deployments.gateway.protocol import (DEFAULT_REQUEST_TIMEOUT_S, HIGHSPEED_S
 from deployments.gateway.errors import (BadRequest, BadRequestError, DeadlineExceeded, HandoffLost, ModelNotFound,
                                         ReplicaFailed, Unavailable, log, status_of)
 from deployments.workers.messages import DecodeChunk, DecodeRequest, PrefillRequest, PrefillResult
-from deployments.workers.replica import stop_token_ids
 from deployments.tenancy import RateLimiter, Tenant, TenantRegistry, UsageCounter, check_pool
 from deployments.tenancy.pricing import NO_COST, Cost, Price
 

@@ -10,7 +10,7 @@ import tracemalloc
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from deployments.config import PlatformConfig
+from deployments.config import PlatformConfig, redis_url
 from deployments.gateway.frontend import Frontend
 from deployments.gateway.grpc_ingress import GrpcInferenceMixin
 from deployments.gateway.routing import request_router_options
@@ -21,7 +21,7 @@ from deployments.observability.request_metrics import RequestMetrics
 from deployments.tenancy import TenantRegistry, make_rate_limiter
 from deployments.tenancy.ledger import UsageExporter, make_ledger
 from deployments.tenancy.pricing import prices_of
-from deployments.workers.replica import redis_url, replica_id
+from deployments.workers.identity import replica_id
 
 
 #: frames kept per traced allocation; set (in the environment Ray starts with), the ingress replica traces

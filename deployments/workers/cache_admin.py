@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 
 from cache_service.admin import cache_stats
-from cache_service.client import flush_cache
+from cache_service.admin import flush_cache
 from cache_service.store import RedisStore
 
 from deployments.config import PlatformConfig, redis_url

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deployments.engine import TokenLogprob
-from model.runner import SamplingParams
+from model.sampling import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

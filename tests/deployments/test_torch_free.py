@@ -1,0 +1,86 @@
+"""The processes that hold no model do not load torch: the ingress (HTTP and gRPC) and cache-admin.
+
+torch costs each process about 2 CPU seconds to import and about 250 MiB of resident memory; a
+platform start pays it once per process that imports it, on the same cores the engine replicas start
+on. The ingress tokenizes, validates and relays; what it unpickles from the replicas (prefill results,
+decode chunks, logprobs) is plain dataclasses.
+"""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+from deployments.engine.logprobs import TokenLogprob
+from deployments.workers.messages import DecodeChunk, DecodeRequest, PrefillRequest, PrefillResult
+from model.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+MODULES = ("deployments.gateway.ingress", "deployments.gateway.grpc_proxy", "deployments.workers.cache_admin",
+           "deployments.workers.messages", "cache_service.admin")
+
+
+def _messages() -> bytes:
+    lp = TokenLogprob(7, -0.5, ((7, -0.5), (8, -1.25)))
+    preq = PrefillRequest("cmpl-1", (1, 2, 3), 8, SamplingParams(temperature=0.7, top_p=0.9, seed=3, logprobs=2))
+    return pickle.dumps([
+        preq,
+        PrefillResult("cmpl-1", 7, "x", False, None, b"state", None, 3, 0, "r1", 0.01, first_logprob=lp),
+        DecodeRequest(preq, 7, b"state"),
+        DecodeChunk("yz", (8, 9), True, "length", 3, "r2", logprobs=(lp, lp)),
+    ])
+
+
+def test_the_ingress_and_cache_admin_import_and_unpickle_their_messages_without_torch():
+    code = ("import pickle, sys\n"
+            f"for m in {MODULES!r}: __import__(m)\n"
+            "msgs = pickle.loads(sys.stdin.buffer.read())\n"
+            "from model import load_tokenizer; load_tokenizer('k3-tiny').encode('hello')\n"
+            "print(len(msgs), sorted(m for m in ('torch', 'model.network', 'deployments.engine.engine') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, input=_messages(), capture_output=True, timeout=120)
+    assert out.returncode == 0, out.stderr.decode()
+    assert out.stdout.decode().strip() == "4 []", out.stdout.decode()
+
+
+def test_the_model_s_lazy_names_still_resolve():
+    """``from model import load_model`` (and the engine's names) load their torch modules on first use."""
+    import deployments.engine as engine
+    import model
+
+    assert model.load_model("tiny-k3").config.vocab_size > 0
+    assert model.KimiForCausalLM.__name__ == "KimiForCausalLM"
+    assert {"AsyncEngine", "Engine", "TokenLogprob", "GenerationRequest"} <= set(dir(engine))
+    assert engine.TokenLogprob is TokenLogprob
+    try:
+        model.no_such_name  # noqa: B018
+    except AttributeError as e:
+        assert "no_such_name" in str(e)
+    else:
+        raise AssertionError("model.no_such_name resolved")
+
+
+def _maps_torch(pid: int) -> bool:
+    return "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_on_the_platform_only_the_engine_replicas_load_torch(shared_platform):
+    """After a streamed request with logprobs has gone through, the ingress and cache-admin replicas of
+    `deltaserve up` have no libtorch mapped; every prefill and decode replica has."""
+    import httpx
+
+    r = httpx.post(f"{shared_platform.http_url}/v1/completions", headers=shared_platform.auth, timeout=120,
+                   json={"model": "k3-tiny", "prompt": "def fib(n):", "max_tokens": 4, "logprobs": 2, "stream": True})
+    assert r.status_code == 200 and "[DONE]" in r.text, r.text[:300]
+    titles = {}
+    for pid in shared_platform.descendants():
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace").strip()
+        except OSError:
+            continue
+        if title.startswith("ray::ServeReplica:"):
+            titles[title.rsplit(":", 1)[-1]] = pid
+    assert {"ingress", "cache-admin", "prefill-standard", "decode-standard"} <= set(titles), titles
+    torchless = {name for name, pid in titles.items() if not _maps_torch(pid)}
+    assert torchless == {"ingress", "cache-admin"}, titles

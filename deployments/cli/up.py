@@ -174,7 +174,7 @@ def check_env_key(tenants_file: str, api_key: str | None) -> None:
 def _load_config(args: argparse.Namespace) -> tuple[PlatformConfig, str | None]:
     """The platform config with the command line's overrides, and the dev tenant's key when the
     tenants file was created now. ValueError / FileNotFoundError for anything that would fail later."""
-    from cache_service.codec import default_key_path, load_cache_key
+    from cache_service.sealing import default_key_path, load_cache_key
     from deployments.tenancy import default_dev_tenants
 
     config = PlatformConfig.load(args.config)

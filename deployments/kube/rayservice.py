@@ -176,7 +176,7 @@ def serve_config(overlay: Overlay) -> dict:
 def ray_env(overlay: Overlay) -> list[dict]:
     """Environment of every Ray container: Serve's (:func:`deployments.cli.up.serve_env`), Redis, the
     cache key, OTLP export, writable caches under /tmp."""
-    from cache_service.codec import KEY_ENV
+    from cache_service.sealing import KEY_ENV
     from deployments.cli.up import serve_env
 
     plain = dict(sorted(serve_env(overlay.config).items()))

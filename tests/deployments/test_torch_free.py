@@ -1,4 +1,5 @@
-"""The processes that hold no model do not load torch: the ingress (HTTP and gRPC) and cache-admin.
+"""The processes that hold no model do not load torch: the ingress (HTTP and gRPC), cache-admin and
+the `deltaserve up` process itself.
 
 torch costs each process about 2 CPU seconds to import and about 250 MiB of resident memory; a
 platform start pays it once per process that imports it, on the same cores the engine replicas start
@@ -8,6 +9,7 @@ decode chunks, logprobs) is plain dataclasses.
 
 from __future__ import annotations
 
+import os
 import pickle
 import subprocess
 import sys
@@ -19,7 +21,7 @@ from model.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULES = ("deployments.gateway.ingress", "deployments.gateway.grpc_proxy", "deployments.workers.cache_admin",
-           "deployments.workers.messages", "cache_service.admin")
+           "deployments.workers.messages", "cache_service.admin", "cache_service.sealing")
 
 
 def _messages() -> bytes:
@@ -42,6 +44,21 @@ def test_the_ingress_and_cache_admin_import_and_unpickle_their_messages_without_
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, input=_messages(), capture_output=True, timeout=120)
     assert out.returncode == 0, out.stderr.decode()
     assert out.stdout.decode().strip() == "4 []", out.stdout.decode()
+
+
+def test_deltaserve_up_checks_its_config_tenants_and_cache_key_without_torch(tmp_path):
+    """What `deltaserve up` does before it starts Ray (the config, the tenants file, the cache key) imports no torch."""
+    code = ("import sys\n"
+            "from deployments.cli.main import build_parser\n"
+            "from deployments.cli.up import _load_config\n"
+            f"args = build_parser().parse_args(['up', '--tenants', {str(tmp_path / 'tenants.yaml')!r}])\n"
+            "config, key = _load_config(args)\n"
+            "print(bool(key), config.cache.enabled, 'torch' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k not in ("DELTASERVE_API_KEY", "DELTASERVE_CACHE_KEY")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True True False", out.stdout
+    assert (tmp_path / ".deltaserve-cache.key").stat().st_mode & 0o777 == 0o600
 
 
 def test_the_model_s_lazy_names_still_resolve():

@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import subprocess
 import sys
@@ -261,6 +262,48 @@ class ReplicaPoller:
         self._thread.join(timeout=30)
 
 
+def _cpu_s(pids: list[int]) -> dict[int, float]:
+    """user + system CPU seconds of each live pid (``/proc/<pid>/stat``)."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            out[pid] = (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def _ops_scale(platform, deployment: str, n: int) -> None:
+    env = {**os.environ, **platform.ray_env, "RAY_ADDRESS": platform.gcs_address(), "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-m", "deployments.cli.main", "ops", "scale", deployment, str(n), "--wait",
+                    "--timeout", "120"], cwd=ROOT, env=env, check=True, capture_output=True, text=True, timeout=180)
+
+
+def measure_live_startup(platform, deployment: str, n: int, *, idle_s: float = 5.0) -> dict:
+    """One replica start on the idle platform: ``deltaserve ops scale DEPLOYMENT n+1 --wait`` (a Serve config
+    edit; Serve starts the replica), its wall seconds to RUNNING, and the CPU seconds every process of the
+    platform spent meanwhile beyond its idle rate (measured over ``idle_s`` just before): the new worker's imports
+    and model load, Serve's controller, Ray's raylet. Scaled back to ``n`` afterwards. What the simulator's
+    machine-sharing mode charges each start-up (``Profile.replica_startup_cpu_s``)."""
+    before = _cpu_s(platform.descendants())
+    time.sleep(idle_s)
+    idle_rate = sum(_cpu_s(list(before)).values()) - sum(before.values())
+    idle_rate /= idle_s
+    start_cpu = _cpu_s(platform.descendants())
+    t0 = time.perf_counter()
+    _ops_scale(platform, deployment, n + 1)
+    wall = time.perf_counter() - t0
+    end_cpu = _cpu_s(platform.descendants())
+    spent = sum(v - start_cpu.get(pid, 0.0) for pid, v in end_cpu.items())
+    cpu = max(0.0, spent - idle_rate * wall)
+    _ops_scale(platform, deployment, n)
+    return {"seconds": wall, "cpu_s": cpu, "idle_cpu_rate": idle_rate, "deployment": deployment,
+            "source": f"live: `deltaserve ops scale {deployment} {n + 1} --wait` on the idle static platform; CPU of "
+                      "every process under deltaserve up beyond its idle rate (benchmarks/autoscale_live.py "
+                      "measure_live_startup)"}
+
+
 def run_live(mode: str, requests: list[TraceRequest], split: dict[str, int], budget: int, poll_s: float,
              workdir: Path, shape: SurgeShape, calibrate=None) -> dict:
     """One `deltaserve up` (static split, or --autoscale from it with :func:`live_config`), the replay, the
@@ -279,6 +322,9 @@ def run_live(mode: str, requests: list[TraceRequest], split: dict[str, int], bud
         ready_s = time.perf_counter() - started
         warm = replay(platform.http_url, platform.key, [TraceRequest(0.0, p, 16, 4) for p in MODELS])
         calibration = calibrate(platform.http_url, platform.key) if calibrate else None
+        if calibrate:
+            grown = min(split, key=lambda name: (split[name], name))  # a deployment at its smallest count
+            calibration = {"ingress": calibration, "startup": measure_live_startup(platform, grown, split[grown])}
         with ReplicaPoller(sorted(split), poll_s) as poller:
             outcomes = replay(platform.http_url, platform.key, requests)
             time.sleep(poll_s)
@@ -490,7 +536,9 @@ def main() -> int:
                 runs[mode] = run_live(mode, requests, split, args.budget, args.poll_s, work, shape,
                                       calibrate if i == 0 else None)
                 if runs[mode]["calibration"]:
-                    profile_data["ingress"] = runs[mode]["calibration"] | {"measured_in": mode}
+                    profile_data["ingress"] = runs[mode]["calibration"]["ingress"] | {"measured_in": mode}
+                    profile_data["replica_startup"] = (profile_data["replica_startup"]
+                                                       | runs[mode]["calibration"]["startup"] | {"measured_in": mode})
         if not profile_data.get("ingress"):
             print("autoscale_live: no ingress costs measured or in the profile: machine-sharing predictions "
                   "without them", file=sys.stderr)
@@ -546,6 +594,17 @@ def quiet_phase(rec: dict, shape: SurgeShape) -> dict[tuple[str, str], dict]:
     return out
 
 
+def _startup_sentence(startup: dict) -> str:
+    if startup.get("cpu_s") is None:
+        return (f"A replica's start-up takes {startup['seconds']:.2f} s (the profile's) and keeps one core busy "
+                "meanwhile.")
+    units = max(1.0, startup["cpu_s"] / startup["seconds"]) if startup["seconds"] > 0 else 1.0
+    return (f"A replica's start-up, measured on the idle static platform before its replay (`deltaserve ops scale "
+            f"{startup['deployment']} +1 --wait`): {startup['seconds']:.1f} s to RUNNING and {startup['cpu_s']:.1f} CPU s "
+            f"across the platform's processes beyond their idle rate, so a starting replica counts as {units:.2f} "
+            "busy units.")
+
+
 def report(rec: dict, config: PlatformConfig) -> str:
     shape = SurgeShape(**rec["shape"])
     lines = ["# The simulator vs the live platform: a highspeed surge", "",
@@ -570,7 +629,8 @@ def report(rec: dict, config: PlatformConfig) -> str:
                    f"modelled, TPOT {v['measured_tpot_s'] * 1e3:.1f} vs {v['model_tpot_s'] * 1e3:.1f} ms)"
                    for p, v in ingress["pools"].items()) + f"; measured before the {ingress.get('measured_in')} run's "
                    f"replay, loadavg {ingress.get('loadavg_1m')})" if ingress else ": none measured") +
-               ". The abstract model (each replica its own hardware, no ingress) is the last column."), ""]
+               ". " + _startup_sentence(rec["profile"]["replica_startup"]) +
+               " The abstract model (each replica its own hardware, no ingress) is the last column."), ""]
     for mode, run in rec["runs"].items():
         lines.append(f"- live run `{mode}`: `deltaserve up {' '.join(run['args'])}`, ready after {run['ready_s']:.0f} s"
                      + (f"; measured in an earlier run of this benchmark ({run['reused_from']}), same trace and profile"

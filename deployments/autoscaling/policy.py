@@ -430,7 +430,8 @@ class DeltaservePolicy:
         furthest below its want (a short budget is split in proportion to the wants): with
         ``sustained_first`` a first round up to each deployment's sustained need, a second up to its whole
         want; last, what the budget has left goes to the first pool's deployments, up to
-        ``premium_headroom`` each beyond its want (taken back first when another want grows). Each engine
+        ``premium_headroom`` each beyond its want (taken back first when another want grows; kept where it
+        is, what each holds now first, while the wants leave room for it). Each engine
         replica given takes the expert-shard replicas it needs with it (every shard alike), so a replica is
         given only if both fit; after the first pool the shards also get what their own busy share needs."""
         counts = {n: _floor(n, budget) for n in engines + experts}
@@ -456,6 +457,11 @@ class DeltaservePolicy:
             # up to premium_headroom beyond the want, or beyond the floor where the want is below it (an idle pool)
             spare = {n: max(counts[n], min(_ceiling(n, budget), max(wanted[n], _floor(n, budget))
                                            + self.params.premium_headroom)) for n in group}
+            # a spare stays where it is while the wants leave room for it: first what each holds now (serving and
+            # starting), then the rest; else a want that grows within what its deployment already holds would
+            # move the other deployment's spare to it (one replica stopped, one started, nothing gained)
+            held = {n: max(counts[n], min(spare[n], obs.signals[n].replicas + obs.signals[n].starting)) for n in group}
+            counts = self._fill(group, wanted, counts, budget, held, experts, expert_limit, engines)
             counts = self._fill(group, wanted, counts, budget, spare, experts, expert_limit, engines)
         return counts
 

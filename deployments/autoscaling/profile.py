@@ -66,6 +66,17 @@ class Profile:
     cores: float = 1.0  # the machine's CPU cores (machine.cpu_count): the machine-sharing mode's processor count
     ingress_request_s: dict[str, float] = field(default_factory=dict)  # pool -> measured per-request overhead (s)
     ingress_token_s: dict[str, float] = field(default_factory=dict)  # pool -> measured per-output-token overhead (s)
+    # CPU seconds a replica's start-up takes from the machine, every process counted (the new worker, Serve's
+    # controller); None: one core for replica_startup_s. Only the machine-sharing mode uses it.
+    replica_startup_cpu_s: float | None = None
+
+    @property
+    def startup_units(self) -> float:
+        """How many cores a starting replica keeps busy (machine-sharing mode): its start-up's CPU seconds over
+        its idle wall time, at least one."""
+        if self.replica_startup_cpu_s is None or self.replica_startup_s <= 0:
+            return 1.0
+        return max(1.0, self.replica_startup_cpu_s / self.replica_startup_s)
 
     def prefill_s(self, tokens: float) -> float:
         a, b, c = self.prefill_coef
@@ -101,6 +112,8 @@ def load_profile(path: str | Path | None = None) -> Profile:
             cores=float(data.get("machine", {}).get("cpu_count") or 1),
             ingress_request_s={p: float(v["request_s"]) for p, v in (data.get("ingress") or {}).get("pools", {}).items()},
             ingress_token_s={p: float(v["token_s"]) for p, v in (data.get("ingress") or {}).get("pools", {}).items()},
+            replica_startup_cpu_s=(float(data["replica_startup"]["cpu_s"])
+                                   if data["replica_startup"].get("cpu_s") is not None else None),
         )
     except OSError as e:
         raise ValueError(f"{path}: cannot read the profile: {e.strerror}") from None

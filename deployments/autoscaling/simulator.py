@@ -32,8 +32,9 @@ alone, and nothing costs time outside the engine's steps (the Azure-hour evaluat
 replicas on their own machines). ``SimSettings.machine_share`` models replicas sharing one machine, as
 `deltaserve up` runs them here: the profile's ``cores`` are shared by processor sharing, so a prefill step,
 a decode segment or a replica's start-up that begins while ``n`` units are busy (replicas in a step or
-segment or starting, this one included, plus one for the ingress path while any request is in flight) takes
-``max(1, n / cores)`` times as long; and each request pays the profile's measured ingress costs
+segment, this one included; a starting replica counts as ``Profile.startup_units``, the CPU its start-up
+takes over its idle wall time, as many cores as its processes keep busy; plus one for the ingress path
+while any request is in flight) takes ``max(1, n / cores)`` times as long; and each request pays the profile's measured ingress costs
 (``ingress_request_s`` before it reaches prefill, ``ingress_token_s`` on every decode step), stretched alike.
 
 Decode runs in segments: between two changes of a replica's batch (a stream finishing or joining) every
@@ -309,7 +310,8 @@ class Simulator:
         if not self.settings.machine_share:
             return 1.0
         busy = sum(1 for d in self.deps.values() for r in d.replicas
-                   if r.state == "starting" or (r.step is not None if d.kind == "prefill" else bool(r.streams)))
+                   if r.state != "starting" and (r.step is not None if d.kind == "prefill" else bool(r.streams)))
+        busy += self.profile.startup_units * sum(1 for d in self.deps.values() for r in d.replicas if r.state == "starting")
         busy += extra + (1 if self.in_flight else 0)
         return max(1.0, busy / max(self.profile.cores, 1e-9))
 

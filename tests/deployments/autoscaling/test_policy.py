@@ -295,6 +295,22 @@ def test_a_spare_that_fits_once_goes_to_prefill_first():
     assert d.targets == {"prefill-highspeed": 2, "decode-highspeed": 1, "decode-standard": 2, "prefill-standard": 1}
 
 
+def test_a_spare_stays_put_while_the_want_beside_it_grows_within_what_it_holds():
+    # budget 6, quiet: highspeed gets one spare each (2 + 2). Its prefill's want then rises to 2 (1.5 req/s of
+    # 600 tokens at 1,000 tokens/s): prefill already holds 2, so nothing moves (before, decode's spare moved to
+    # prefill: one replica stopped and one started for nothing). At a want of 3 the spare is taken back.
+    policy, budget = DeltaservePolicy(), Budget(6)
+    quiet = policy.decide(observe(0.0), budget)
+    assert (quiet.targets["prefill-highspeed"], quiet.targets["decode-highspeed"]) == (2, 2)
+    busier = policy.decide(observe(2.0, prefill("highspeed", replicas=2, rate=1.5, prompt=600.0),
+                                   decode("highspeed", replicas=2)), budget)
+    assert busier.wanted["prefill-highspeed"] == 2
+    assert busier.targets == quiet.targets
+    surge = policy.decide(observe(4.0, prefill("highspeed", replicas=2, rate=3.0, prompt=600.0),
+                                  decode("highspeed", replicas=2)), budget)
+    assert (surge.wanted["prefill-highspeed"], surge.targets["prefill-highspeed"], surge.targets["decode-highspeed"]) == (3, 3, 1)
+
+
 def test_an_idle_premium_pool_keeps_its_spare_above_the_floor():
     # no highspeed load for longer than the cooldown: its wants fall to 0, below the floors (1). The spare round
     # counts from the floor, so the first request of a surge still meets floor + premium_headroom replicas

@@ -394,6 +394,18 @@ def test_machine_share_stretches_steps_by_busy_units_over_cores():
     assert shared.tpot_s == pytest.approx({"p50": 0.033, "p95": 0.033, "p99": 0.033}, abs=1e-9)
 
 
+@pytest.mark.parametrize("startup_cpu_s, ttft", [(None, 0.3), (5.0, 0.3), (10.0, 0.4)])
+def test_machine_share_charges_a_starting_replica_its_measured_cpu(startup_cpu_s, ttft):
+    """Two cores; decode-standard is raised to 2 at 1 s and its replica starts for 5 s. A request at 2 s meets
+    it starting: its prefill step counts itself, the ingress and the starting replica's units (its start-up's
+    CPU seconds over its 5 s: 1 without a measurement or at 5 CPU s, 2 at 10 CPU s), so it takes
+    0.2 x (1 + 1 + units) / 2."""
+    prof = exact_profile(cores=2.0, replica_startup_cpu_s=startup_cpu_s)
+    sim = simulate(reqs((2.0, 100, 11)), Scripted([1, 2]), budget=3, tick_s=1.0, profile=prof, machine_share=True)
+    assert sim.pools["standard"].ttft_s["p50"] == pytest.approx(ttft, abs=1e-9)
+    assert [(e["t"], e["to"]) for e in sim.deployments["decode-standard"]["scale_log"]] == [(1.0, 2)]
+
+
 def test_machine_share_adds_the_measured_ingress_costs():
     """A lone request with cores to spare: TTFT = ingress 0.05 + prefill 0.2; every decode step 0.011 + 0.004."""
     prof = exact_profile(cores=16.0, ingress_request_s={"standard": 0.05}, ingress_token_s={"standard": 0.004})
@@ -411,3 +423,7 @@ def test_profile_reads_cores_and_ingress(tmp_path):
     assert prof.cores == data["machine"]["cpu_count"]
     assert (prof.ingress_request_s, prof.ingress_token_s) == ({"standard": 0.07}, {"standard": 0.002})
     assert load_profile().ingress_request_s == {}  # the committed profile has none: machine sharing adds no ingress
+    assert load_profile().replica_startup_cpu_s is None and load_profile().startup_units == 1.0
+    data["replica_startup"]["cpu_s"] = 3 * data["replica_startup"]["seconds"]
+    path.write_text(json.dumps(data))
+    assert load_profile(path).startup_units == pytest.approx(3.0)

@@ -156,7 +156,7 @@ async def wave(base: str, key: str, model: str, args, rep: int, arrivals: bool, 
             "running_ttft_p50_s": float(np.percentile([s.t_first - s.t_send for s in running], 50))}
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=2, help="interleaved (quiet, arrivals) pairs")
     ap.add_argument("--running-prompt", type=int, default=100, help="prompt tokens of the running streams")
@@ -167,7 +167,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--standard", action="append", default=[], metavar="FIELD=VALUE",
                     help="override a field of the standard pool's PoolConfig (repeatable)")
     ap.add_argument("--out-dir", type=Path, default=None)
-    return ap.parse_args()
+    return ap.parse_args(argv)
 
 
 def platform_config(args, tmp: str):
@@ -309,7 +309,10 @@ def main() -> int:
         "|---|---|---|---|---|---|---|",
         *map(wave_line, waves),
     ])
-    extra = "".join(f" --standard {item}" for item in args.standard)
+    defaults = {k: v for k, v in vars(parse_args([])).items() if k not in ("standard", "out_dir")}
+    extra = "".join(f" --{name.replace('_', '-')} {getattr(args, name):g}" for name, default in defaults.items()
+                    if getattr(args, name) != default)
+    extra += "".join(f" --standard {item}" for item in args.standard)
     kw = {"out_dir": args.out_dir} if args.out_dir else {}
     paths = write_report("tpot_arrivals", rows, columns=["measurement", "arrivals", "quiet", "ratio", "target", "met"],
                          command=COMMAND + extra, title="TPOT of running streams while long prompts arrive (k3-tiny, "

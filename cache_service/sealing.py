@@ -1,7 +1,7 @@
 """Sealing of the cache's Redis values with the platform's secret, and where that secret lives (torch-free:
 `deltaserve up` checks the key before any replica starts).
 
-In Redis every value (these two kinds and handoff states alike) is *sealed* by
+In Redis every value (MLA blocks, KDA checkpoints and handoff states alike) is *sealed* by
 :class:`EntryMac`: the blob, then an HMAC-SHA256 tag keyed by a server-side secret over the
 codec version, the entry's Redis key and the blob. A client that can write to Redis but does
 not hold the key cannot forge an entry, alter one, or copy a valid one under another key (the

@@ -1,7 +1,7 @@
 """The processes that hold no model do not load torch: the ingress (HTTP and gRPC), cache-admin and
 the `deltaserve up` process itself.
 
-torch costs each process about 2 CPU seconds to import and about 250 MiB of resident memory; a
+torch costs each process one to two CPU seconds to import and about 250 MiB of resident memory; a
 platform start pays it once per process that imports it, on the same cores the engine replicas start
 on. The ingress tokenizes, validates and relays; what it unpickles from the replicas (prefill results,
 decode chunks, logprobs) is plain dataclasses.

@@ -56,6 +56,19 @@ class Platform:
         """Pids of every process under `deltaserve up` (Ray's GCS, raylet, workers, replicas)."""
         return descendants(self.proc.pid)
 
+    def replica_pids(self) -> dict[str, list[int]]:
+        """Serve deployment -> pids of its replicas under `deltaserve up`, from their process titles
+        (``ray::ServeReplica:<app>:<deployment>``, with ``.<method>`` after it while Ray runs a task on the actor)."""
+        out: dict[str, list[int]] = {}
+        for pid in self.descendants():
+            try:
+                title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace").strip()
+            except OSError:
+                continue
+            if title.startswith("ray::ServeReplica:"):
+                out.setdefault(title.rsplit(":", 1)[-1].split(".", 1)[0], []).append(pid)
+        return out
+
     def gcs_address(self) -> str:
         """``host:port`` of this platform's GCS. Other Ray clusters may run on the machine (so Ray's
         ``session_latest`` may not be this one's): the session directory and node address are read

@@ -90,14 +90,7 @@ def test_on_the_platform_only_the_engine_replicas_load_torch(shared_platform):
     r = httpx.post(f"{shared_platform.http_url}/v1/completions", headers=shared_platform.auth, timeout=120,
                    json={"model": "k3-tiny", "prompt": "def fib(n):", "max_tokens": 4, "logprobs": 2, "stream": True})
     assert r.status_code == 200 and "[DONE]" in r.text, r.text[:300]
-    titles = {}
-    for pid in shared_platform.descendants():
-        try:
-            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace").strip()
-        except OSError:
-            continue
-        if title.startswith("ray::ServeReplica:"):
-            titles[title.rsplit(":", 1)[-1]] = pid
+    titles = {name: pids[0] for name, pids in shared_platform.replica_pids().items()}
     assert {"ingress", "cache-admin", "prefill-standard", "decode-standard"} <= set(titles), titles
     torchless = {name for name, pid in titles.items() if not _maps_torch(pid)}
     assert torchless == {"ingress", "cache-admin"}, titles

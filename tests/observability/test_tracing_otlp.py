@@ -312,18 +312,6 @@ class Traced:
     pids: dict[str, list[int]] = field(default_factory=dict)  # Serve deployment -> its replicas' pids
 
 
-def _replica_pids(platform: Platform) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    for pid in platform.descendants():
-        try:
-            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode().strip()
-        except OSError:
-            continue
-        if title.startswith("ray::ServeReplica:deltaserve:"):
-            out.setdefault(title.rsplit(":", 1)[1], []).append(pid)
-    return out
-
-
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory) -> Iterator[Traced]:
     """`deltaserve up --expert-mode pool --replicas decode-standard=2` with the cache, exporting OTLP/gRPC
@@ -347,7 +335,7 @@ def traced(tmp_path_factory) -> Iterator[Traced]:
             platform = stack.__enter__()
         try:
             assert any(f"traces: OTLP grpc to {receiver.endpoint}" in ln for ln in platform.output), platform.output
-            yield Traced(platform, receiver.sink, _replica_pids(platform))
+            yield Traced(platform, receiver.sink, platform.replica_pids())
         finally:
             stack.__exit__(None, None, None)
     finally:
@@ -551,7 +539,7 @@ def test_a_decode_replica_killed_mid_stream_gives_failover_events(traced):
     stream has its first token. The streams it held move to the other replica: their ingress span has one
     ``failover`` event per move, and a second prefill replays exactly the tokens delivered."""
     p, streams, max_tokens = traced.platform, 6, 160
-    victims = _replica_pids(p)["decode-standard"]
+    victims = p.replica_pids()["decode-standard"]
     assert len(victims) == 2, victims
     parents = [_traceparent() for _ in range(streams)]
     started = threading.Semaphore(0)

@@ -15,7 +15,9 @@ attainment (both targets met; a failed request misses), failed requests (an HTTP
 aborted streams (a stream that ended without all its tokens), and the serving replicas of every engine deployment
 over time (``serve.status()`` every ``--poll-s`` from a Ray driver). The same trace goes through the simulator
 (``deployments/autoscaling/simulator.py``) with the same split / the same policy and a profile measured on this
-machine just before (``deltaserve autoscale profile``; ``--profile FILE`` reuses one): predicted vs measured
+machine just before (``deltaserve autoscale profile``; ``--profile FILE`` reuses one), completed on the idle
+static platform before its replay with the ingress costs (``measure_ingress``) and one live replica start-up
+(:func:`measure_live_startup`: its wall time and the CPU it takes from the platform): predicted vs measured
 p50 / p95 side by side, the ratio and whether it is within 25%.
 
 Surge checks on the autoscaled run: the first time highspeed holds more replicas than before the surge (within

@@ -18,6 +18,7 @@ from .hashing import BLOCK_HASH_BYTES
 
 PREFIX = "ds:v1:"
 KINDS = ("mla", "kda", "sess", "handoff")
+FLUSH_EPOCHS_KEY = PREFIX + "flush"  # hash: tenant (or "*") → time of its last flush; replicas drop their LRU entries when it changes
 _TENANT = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 _MAX_SESSION_ID = 256
@@ -78,5 +79,3 @@ def key_kind(key: str) -> tuple[str, str]:
         raise ValueError(f"not a deltaserve cache key: {key!r:.300}")
     check_tenant(tenant)
     return tenant, kind
-
-FLUSH_EPOCHS_KEY = "ds:v1:flush"  # hash: tenant (or "*") → time of its last flush; replicas drop their LRU entries when it changes

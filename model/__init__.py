@@ -13,32 +13,27 @@ Public API (a contract other parts and outside checks rely on)::
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from .config import ModelConfig
 from .presets import DEFAULT_MODEL
 from .resolve import load_tokenizer, resolve_model
 
-__all__ = [
-    "DEFAULT_MODEL",
-    "KimiForCausalLM",
-    "ModelConfig",
-    "load_model",
-    "load_tokenizer",
-    "resolve_model",
-    "save_model",
-]
-
 # what needs torch loads on first use (PEP 562): a process that only tokenizes (the ingress, the CLI)
 # never imports it
 _LAZY = {"load_model": "loading", "save_model": "loading", "KimiForCausalLM": "network"}
 
+__all__ = sorted(["DEFAULT_MODEL", "ModelConfig", "load_tokenizer", "resolve_model", *_LAZY])
+
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        from importlib import import_module
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value
 
-        value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

@@ -366,8 +366,9 @@ class ExpertServer:
                 self.timed_out += 1
                 return
             authenticated = True
-            with self._lock:
+            with self._lock:  # before the OK: a client that has its OK is no longer counted as unauthenticated
                 self._unauthenticated -= 1
+            conn.sendall(ok_reply())
             while True:
                 conn.settimeout(None)  # idle between frames for as long as the client likes
                 if conn.recv_into(head, 1) == 0:
@@ -393,7 +394,7 @@ class ExpertServer:
             conn.close()
 
     def _hello(self, conn: socket.socket, head: bytearray, deadline: float) -> bool:
-        """Read and check the HELLO and its token by ``deadline`` (TimeoutError past it)."""
+        """Read and check the HELLO and its token by ``deadline`` (TimeoutError past it); the caller sends the OK."""
         _recv_by(conn, memoryview(head), deadline)
         try:
             kind, fields = parse_request(bytes(head))
@@ -408,7 +409,6 @@ class ExpertServer:
         if not hmac.compare_digest(bytes(token), self._token):
             self._reject(conn, "bad token")
             return False
-        conn.sendall(ok_reply())
         return True
 
     def _run(self, conn: socket.socket, h: RunHeader) -> None:

@@ -321,6 +321,19 @@ def test_idle_connections_over_the_bound_are_closed_before_any_token_is_read():
         server.close()
 
 
+def test_a_client_that_has_its_ok_no_longer_counts_against_max_unauthenticated():
+    server = _doubling_server(max_unauthenticated=32)
+    clients = []
+    try:
+        for _ in range(50):  # the count drops before the OK goes out, so no client that has its OK is still counted
+            clients.append(ExpertClient(server.endpoint))
+            assert server._unauthenticated == 0
+    finally:
+        for c in clients:
+            c.close()
+        server.close()
+
+
 def test_a_hello_trickled_byte_by_byte_is_cut_at_the_deadline():
     server = _doubling_server(hello_timeout_s=1.0)
     ep = server.endpoint

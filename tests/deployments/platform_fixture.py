@@ -139,7 +139,7 @@ def start_platform(workdir: Path, *extra_args: str, cache: bool = False, timeout
     """`deltaserve up` on free ports (``extra_args`` appended, e.g. ``--replicas decode-standard=2``;
     ``cache``: with the prefix/KDA-state cache and the local redis-server it starts, else
     ``--no-cache``), yielded once its ready line and curl example are out; stopped with SIGINT,
-    killed if it has not exited 120 s later."""
+    killed if it has not exited 120 s later; it must have printed ``deltaserve: stopped`` and exited 0."""
     workdir.mkdir(parents=True, exist_ok=True)
     key, standard_only = write_tenants(workdir / "tenants.yaml")
     http_port, grpc_port, metrics_port = find_free_port(), find_free_port(), find_free_port()
@@ -154,7 +154,8 @@ def start_platform(workdir: Path, *extra_args: str, cache: bool = False, timeout
          "--metrics-export-port", str(metrics_port), "--no-prometheus", *extra_args],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()
+    reader = threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True)
+    reader.start()
     platform = Platform(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", key, standard_only, proc, ray_env,
                         metrics_export_port=metrics_port)
     try:
@@ -170,12 +171,15 @@ def start_platform(workdir: Path, *extra_args: str, cache: bool = False, timeout
     finally:
         proc.send_signal(signal.SIGINT)
         try:
-            proc.wait(timeout=120)
+            rc = proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait(timeout=30)
+            rc = proc.wait(timeout=30)
+        reader.join(timeout=10)  # to the end of its output: the last lines come after the exit
         while not lines.empty():
             platform.output.append(lines.get())
+    # after a clean run only (a failing test's error is not masked): Ctrl-C stops it as it stops `make serve`
+    assert rc == 0 and any(ln.startswith("deltaserve: stopped") for ln in platform.output), "".join(platform.output)
 
 
 class SharedPlatform:

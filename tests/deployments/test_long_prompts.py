@@ -16,7 +16,7 @@ from deployments.workers.messages import DecodeRequest, PrefillRequest, PrefillR
 from model import load_model, load_tokenizer
 from model.runner import SamplingParams
 from model.state import StatePool
-from tests.deployments.up_process import deltaserve_up
+from tests.deployments.up_process import check_up_serves, deltaserve_up
 
 CONTEXT = 8192  # the dev tenant's max_context and the default max_model_len
 MAX_TOKENS = 8
@@ -72,7 +72,10 @@ def test_a_prompt_at_the_full_context_streams_through_deltaserve_up(shared_platf
 
 
 def test_a_prompt_at_the_full_context_streams_through_deltaserve_up_with_actor_calls(tmp_path):
+    """``--serve-actor-calls``: first what a ready `deltaserve up` shows in either mode (its default mode is checked
+    on the shared platform in tests/deployments/test_up.py), then the full context."""
     key = "ds-long-prompt-key-0123456789abcdef"
     with deltaserve_up(["--tenants", str(tmp_path / "tenants.yaml"), "--no-cache", "--serve-actor-calls"],
                        env={"DELTASERVE_API_KEY": key}) as up:
+        check_up_serves(up.output, up.proc.pid, up.http_port, up.grpc_port, key, actor_calls=True)
         _streams_the_full_context(f"http://127.0.0.1:{up.http_port}", key)

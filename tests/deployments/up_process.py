@@ -2,7 +2,8 @@
 
 :func:`deltaserve_up` starts it with its own Ray auth token, waits for the curl line that follows
 the ready line, yields a :class:`UpProcess`, and stops it with Ctrl-C (SIGINT) afterwards, as
-`make serve` is stopped.
+`make serve` is stopped: it must print ``deltaserve: stopped`` and exit 0. :func:`check_up_serves`
+is what a ready one must show in either Serve mode.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import httpx
 
 from cache_service import find_free_port
 
@@ -115,7 +118,8 @@ def deltaserve_up(args: list[str], env: dict[str, str] | None = None, ready_s: f
         [sys.executable, "-m", "deployments.cli.main", "up", *ports, *args], cwd=ROOT, env=_env(env or {}),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()
+    reader = threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True)
+    reader.start()
     up = UpProcess(proc, http_port, grpc_port, metrics_port, prometheus_port)
     try:
         deadline = time.monotonic() + ready_s
@@ -137,6 +141,49 @@ def deltaserve_up(args: list[str], env: dict[str, str] | None = None, ready_s: f
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
+        reader.join(timeout=10)  # to the end of its output: the last lines come after the exit
         while not lines.empty():
             up.output.append(lines.get())
     assert rc == 0, "".join(up.output)
+    assert any(ln.startswith("deltaserve: stopped") for ln in up.output), "".join(up.output)
+
+
+def serve_replica_environs(pid: int) -> list[dict[str, str]]:
+    """The environment of every Serve replica process under ``pid``."""
+    envs = []
+    for p in descendants(pid):
+        try:
+            if b"ServeReplica" not in Path(f"/proc/{p}/cmdline").read_bytes():
+                continue
+            raw = Path(f"/proc/{p}/environ").read_bytes()
+        except OSError:
+            continue
+        envs.append(dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv))
+    return envs
+
+
+def check_up_serves(output: list[str], pid: int, http_port: int, grpc_port: int, key: str, *, actor_calls: bool) -> None:
+    """What a ready `deltaserve up` (pid ``pid``, started with ``key`` in $DELTASERVE_API_KEY) shows in either
+    Serve mode: a ready line with its addresses, a curl example with the key, HTTP that wants the key and
+    serves both models, and every Serve replica in the environment `up` gave Ray
+    (``deployments.cli.up.serve_env``: throughput-optimized unless ``--serve-actor-calls``)."""
+    ready = next(ln for ln in output if ln.startswith("deltaserve: ready"))
+    assert f"http://127.0.0.1:{http_port}/v1" in ready and f"127.0.0.1:{grpc_port}" in ready, ready
+    assert any(f"Bearer {key}" in ln for ln in output), "the curl example carries the key from DELTASERVE_API_KEY"
+
+    base = f"http://127.0.0.1:{http_port}/v1"
+    assert httpx.get(f"{base}/models", timeout=30).status_code == 401
+    models = httpx.get(f"{base}/models", headers={"Authorization": f"Bearer {key}"}, timeout=30).json()
+    assert sorted(m["id"] for m in models["data"]) == ["k3-tiny", "k3-tiny-highspeed"]
+    r = httpx.post(f"{base}/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120,
+                   json={"model": "k3-tiny", "prompt": "def fib(n):", "max_tokens": 5, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+    assert r.headers["x-deltaserve-pool"] == "standard"
+
+    envs = serve_replica_environs(pid)
+    assert envs, "no Serve replica processes found under deltaserve up"
+    for e in envs:
+        if actor_calls:
+            assert "RAY_SERVE_THROUGHPUT_OPTIMIZED" not in e
+        else:
+            assert e.get("RAY_SERVE_THROUGHPUT_OPTIMIZED") == "1" and e.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "0"

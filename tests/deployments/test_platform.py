@@ -25,7 +25,6 @@ from tests.conftest import local_ray_env, stop_local_cluster
 MODEL = "tiny-k3"
 
 
-
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory):
 
@@ -44,8 +43,10 @@ def platform(tmp_path_factory):
     # highspeed streams a chunk per token here (default: 20 ms chunks), so the stream-interval tests see both
     hs = config.pools["highspeed"].model_copy(update={"stream_interval_ms": 0})
     config = config.model_copy(update={"pools": {**config.pools, "highspeed": hs}})
-    # pool mode looks for new expert-pool replicas every second here (default 30 s)
-    pool_config = config.model_copy(update={"expert_mode": "pool", "expert_pool_discovery_s": 1.0})
+    # pool mode: the standard pool only (its tests use no other; two engine replicas fewer to start), looking for
+    # new expert-pool replicas every second (default 30 s)
+    pool_config = config.model_copy(update={"expert_mode": "pool", "expert_pool_discovery_s": 1.0,
+                                            "pools": {"standard": config.pools["standard"]}})
     start(config, extra_apps=[("pool-mode", "/pool", pool_config)])
     yield {"config": config, "pool_config": pool_config, "alice": alice, "bob": bob, "carol": carol,
            "http": f"http://127.0.0.1:{config.http_port}", "grpc": f"127.0.0.1:{config.grpc_port}"}

@@ -94,13 +94,14 @@ def test_graceful_shutdown_follows_the_pools_longest_request():
     assert shutdown_timeout_s(config, "standard") == config.pools["standard"].request_timeout_s + SHUTDOWN_MARGIN_S
     assert shutdown_timeout_s(config, "highspeed") == 300 + SHUTDOWN_MARGIN_S
     assert shutdown_timeout_s(config, None) == 600 + SHUTDOWN_MARGIN_S  # the ingress and expert shards serve both
-    from deployments.app import ADMIN_SHUTDOWN_S, build_app
+    from deployments.app import ADMIN_SHUTDOWN_S, SHUTDOWN_POLL_S, build_app
 
     app = build_app(PlatformConfig(tenants_file=__file__, expert_mode="pool"))  # an existing file: none is created
-    deployments, stack = {}, [app._bound_deployment]
+    deployments, polls, stack = {}, set(), [app._bound_deployment]
     while stack:
         d = stack.pop()
         deployments[d.name] = d._deployment_config.graceful_shutdown_timeout_s
+        polls.add(d._deployment_config.graceful_shutdown_wait_loop_s)
         for arg in list(d.init_args) + list(d.init_kwargs.values()):
             for value in (arg.values() if isinstance(arg, dict) else arg if isinstance(arg, list) else [arg]):
                 if hasattr(value, "_bound_deployment"):
@@ -108,6 +109,7 @@ def test_graceful_shutdown_follows_the_pools_longest_request():
     assert deployments == {"ingress": 630, "cache-admin": ADMIN_SHUTDOWN_S, "prefill-standard": 630,
                            "decode-standard": 630, "prefill-highspeed": 330, "decode-highspeed": 330,
                            "expert-pool-0": 630, "expert-pool-1": 630}
+    assert polls == {SHUTDOWN_POLL_S} and SHUTDOWN_POLL_S < 2.0  # Serve's default: 2 s before the first check
 
 
 def test_scale_down_from_3_to_1_with_24_streams_open_loses_nothing(platform):

@@ -109,8 +109,11 @@ def serve_env(config: PlatformConfig) -> dict[str, str]:
     runs user code on each replica's own event loop: when it was introduced, 16 HTTP streams went
     from 0.61 of the in-process engine's tokens/s (actor calls) to about 0.7 in interleaved runs;
     benchmarks/bench_serving.py measures this mode. Direct ingress (the ingress replica serving
-    HTTP itself, behind HAProxy) stays off: HAProxy binds its stats and metrics ports on every
-    interface. The router keeps its own loop, so handles also work from threads (the expert
+    HTTP itself) stays off: without HAProxy each ingress replica gets its own port from a range, not
+    the configured one, and Serve's proxy-level answers and the proxy middleware do not run; with
+    HAProxy, HAProxy binds its stats and metrics ports on every interface; and on `deltaserve up` it
+    gave the same tokens/s within the noise and a TTFT p50 about 8% lower
+    (benchmarks/results/direct_ingress.md). The router keeps its own loop, so handles also work from threads (the expert
     pool's handle transport, the CLI). Its gRPC message limit is raised per deployment
     (``deployments/app.py``), so that a handoff at the full context fits.
     """

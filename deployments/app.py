@@ -31,8 +31,8 @@ from deployments.workers.prefill import Prefill
 
 SHUTDOWN_MARGIN_S = 30.0  # beyond a pool's request_timeout_s: its last chunks and the checkpoint writes
 ADMIN_SHUTDOWN_S = 20.0  # cache-admin: its calls are short admin requests
-# how often a stopping replica checks whether its requests are done (Serve's default sleeps 2 s before the first
-# check, so even an idle replica took 2 s to stop: every scale-down, rebuild and `deltaserve up` exit paid it)
+# how often a stopping replica checks whether its requests are done; Serve's default, 2 s, is also how long it sleeps
+# before the first check, so with it even an idle replica takes 2 s to stop (every scale-down, rebuild and exit)
 SHUTDOWN_POLL_S = 0.2
 
 

@@ -113,8 +113,8 @@ def serve_env(config: PlatformConfig) -> dict[str, str]:
     the configured one, and Serve's proxy-level answers and the proxy middleware do not run; with
     HAProxy, HAProxy binds its stats and metrics ports on every interface; and on `deltaserve up` it
     gave the same tokens/s within the noise and a TTFT p50 about 8% lower
-    (benchmarks/results/direct_ingress.md). The router keeps its own loop, so handles also work from threads (the expert
-    pool's handle transport, the CLI). Its gRPC message limit is raised per deployment
+    (benchmarks/results/direct_ingress.md). The router keeps its own loop, so handles also work from
+    threads (the expert pool's handle transport, the CLI). Its gRPC message limit is raised per deployment
     (``deployments/app.py``), so that a handoff at the full context fits.
     """
     env = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": PROXY_CALLBACK, GRPC_HOST_ENV: config.host, **MALLOC_ENV}

@@ -18,7 +18,8 @@ from tests.deployments.up_process import deltaserve_up
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNBOOKS = ROOT / "ops" / "runbooks"
-# the drain first: the budget and pin changes after it make Serve rebuild the application
+# one platform for all, in this order: each runbook gives back what it changes (a pin is released, the budget
+# returned, a pause resumed; a drained replica is replaced), so the next one starts from the same platform
 ORDER = ["drain-replica.md", "burst-standard.md", "launch-highspeed.md", "redis-down.md", "crash-loop.md",
          "slo-burn-rate.md"]
 FENCE = re.compile(r"^```console\n(.*?)^```", re.M | re.S)

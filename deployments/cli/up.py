@@ -3,8 +3,9 @@ the cache service's Redis (a local redis-server unless DELTASERVE_REDIS_URL is g
 local Prometheus scraping Ray's metrics export port (deployments/observability/prometheus.py;
 ``--no-prometheus``: none).
 
-Prints a ready line (with the Prometheus URL) and a curl example, runs until Ctrl-C / SIGTERM,
-then stops Prometheus and shuts Serve and Ray down cleanly.
+Prints how many deployments are healthy each time that changes while they start, then a ready line
+(with the Prometheus URL) and a curl example, runs until Ctrl-C / SIGTERM, then stops Prometheus and
+shuts Serve and Ray down cleanly.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from deployments.autoscaling.settings import OpsSettings
 from deployments.config import MetricsConfig, PlatformConfig, redis_url
@@ -67,17 +69,23 @@ def serve_schema(apps: list[tuple[str, str, PlatformConfig]], settings: OpsSetti
                                                          for name, prefix, config in apps]})
 
 
-def deploy(apps: list[tuple[str, str, PlatformConfig]], *, timeout_s: float = 900) -> None:
-    """Apply the declarative config and wait until every application is RUNNING."""
+def deploy(apps: list[tuple[str, str, PlatformConfig]], *, timeout_s: float = 900,
+           progress: Callable[[str], None] | None = None) -> None:
+    """Apply the declarative config and wait until every application is RUNNING; ``progress`` gets a
+    line (:func:`progress_line`) each time the count of healthy deployments or the waiting set changes."""
     from ray import serve
     from ray.serve._private.api import _get_global_client
     from ray.serve.schema import ApplicationStatus
 
     _get_global_client().deploy_apps(serve_schema(apps))
     deadline = time.time() + timeout_s
-    names = {name for name, _, _ in apps}
+    names = [name for name, _, _ in apps]
+    last = None
     while time.time() < deadline:
         status = serve.status().applications
+        if progress is not None and (line := progress_line(status, names)) != last:
+            progress(line)
+            last = line
         states = {n: status[n].status for n in names if n in status}
         if any(s == ApplicationStatus.DEPLOY_FAILED for s in states.values()):
             raise RuntimeError(f"deploy failed: {[status[n].message for n in names if n in status]}")
@@ -85,6 +93,23 @@ def deploy(apps: list[tuple[str, str, PlatformConfig]], *, timeout_s: float = 90
             return
         time.sleep(1)
     raise TimeoutError(f"applications {sorted(names)} not running after {timeout_s:.0f}s")
+
+
+def progress_line(status: dict, names: list[str]) -> str:
+    """``deltaserve: H/N deployments healthy (waiting for A, B)`` over the applications ``names`` in
+    ``serve.status().applications`` (``app/deployment`` when there are several); an application whose
+    deployments Serve does not list yet is still being built (``deltaserve: building application A``
+    while none lists any)."""
+    building = [n for n in names if n not in status or not status[n].deployments]
+    deployments = {(f"{n}/{d}" if len(names) > 1 else d): info.status
+                   for n in names if n in status for d, info in status[n].deployments.items()}
+    if not deployments:
+        return f"deltaserve: building application{'s' * (len(building) > 1)} {', '.join(building)}"
+    waiting = sorted(d for d, state in deployments.items() if state != "HEALTHY")
+    line = f"deltaserve: {len(deployments) - len(waiting)}/{len(deployments)} deployments healthy"
+    parts = ([f"building {', '.join(building)}"] if building else []) + (
+        [f"waiting for {', '.join(waiting)}"] if waiting else [])
+    return f"{line} ({'; '.join(parts)})" if parts else line
 
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(8 << 20)}  # tensors >= 8 MiB are mmapped and returned on free
@@ -137,10 +162,10 @@ def _environ(extra: dict[str, str]):
 
 
 def start(config: PlatformConfig, *, app_name: str = "deltaserve", extra_apps: list | None = None,
-          metrics_export_port: int | None = None) -> None:
+          metrics_export_port: int | None = None, progress: Callable[[str], None] | None = None) -> None:
     """Start Ray (local, if not running; with :func:`serve_env`; its metrics agent exporting on
     ``metrics_export_port``, None: a port Ray picks) and Serve with ``config``; deploy and wait
-    until running."""
+    until running (``progress``: see :func:`deploy`)."""
     import ray
     from ray import serve
     from ray.serve.config import gRPCOptions, HTTPOptions
@@ -152,7 +177,7 @@ def start(config: PlatformConfig, *, app_name: str = "deltaserve", extra_apps: l
         http_options=HTTPOptions(host=config.host, port=config.http_port),
         grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=[GRPC_SERVICER], enable_reflection=True),
     )
-    deploy([(app_name, "/", config)] + list(extra_apps or []))
+    deploy([(app_name, "/", config)] + list(extra_apps or []), progress=progress)
 
 
 def check_env_key(tenants_file: str, api_key: str | None) -> None:
@@ -316,7 +341,7 @@ def up(args: argparse.Namespace) -> int:
         print(f"deltaserve: traces: {traces.describe() if traces else 'off (OTEL_EXPORTER_OTLP_ENDPOINT not set)'}",
               flush=True)
         t0 = time.time()
-        start(config, metrics_export_port=metrics.export_port)
+        start(config, metrics_export_port=metrics.export_port, progress=lambda line: print(line, flush=True))
         running.callback(_shutdown_ray)
         prometheus = _start_prometheus(metrics)
         if prometheus is not None:

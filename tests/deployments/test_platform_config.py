@@ -133,3 +133,26 @@ def test_pool_timeouts_have_tier_defaults():
     assert pools["standard"].queue_timeout_s == 10.0 and pools["standard"].stream_idle_timeout_s == 60.0
     with pytest.raises(ValidationError, match="max_queued_requests"):
         PlatformConfig(pools={"standard": {"max_queued_requests": 0}})
+
+
+def test_progress_line_counts_healthy_deployments_and_names_the_rest():
+    from types import SimpleNamespace as NS
+
+    from deployments.cli.up import progress_line
+
+    def app(**states):
+        return NS(deployments={name.replace("_", "-"): NS(status=s) for name, s in states.items()})
+
+    assert progress_line({}, ["deltaserve"]) == "deltaserve: building application deltaserve"
+    assert progress_line({}, ["deltaserve", "pool-mode"]) == "deltaserve: building applications deltaserve, pool-mode"
+    status = {"deltaserve": app(ingress="HEALTHY", decode_standard="UPDATING", prefill_standard="UNHEALTHY")}
+    assert progress_line(status, ["deltaserve"]) == (
+        "deltaserve: 1/3 deployments healthy (waiting for decode-standard, prefill-standard)")
+    status["deltaserve"] = app(ingress="HEALTHY", decode_standard="HEALTHY")
+    assert progress_line(status, ["deltaserve"]) == "deltaserve: 2/2 deployments healthy"
+    # several applications: each deployment under its application's name; one not listed yet is being built
+    assert progress_line(status, ["deltaserve", "pool-mode"]) == (
+        "deltaserve: 2/2 deployments healthy (building pool-mode)")
+    status["pool-mode"] = app(ingress="UPDATING")
+    assert progress_line(status, ["deltaserve", "pool-mode"]) == (
+        "deltaserve: 2/3 deployments healthy (waiting for pool-mode/ingress)")

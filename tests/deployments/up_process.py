@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import re
 import secrets
 import signal
 import subprocess
@@ -167,8 +168,14 @@ def check_up_serves(output: list[str], pid: int, http_port: int, grpc_port: int,
     Serve mode: a ready line with its addresses, a curl example with the key, HTTP that wants the key and
     serves both models, and every Serve replica in the environment `up` gave Ray
     (``deployments.cli.up.serve_env``: throughput-optimized unless ``--serve-actor-calls``)."""
-    ready = next(ln for ln in output if ln.startswith("deltaserve: ready"))
+    at = next(i for i, ln in enumerate(output) if ln.startswith("deltaserve: ready"))
+    ready = output[at]
     assert f"http://127.0.0.1:{http_port}/v1" in ready and f"127.0.0.1:{grpc_port}" in ready, ready
+    # progress while the deployments start (the first count comes as soon as Serve lists them, long before every
+    # replica is up), the last one before the ready line with every deployment healthy
+    progress = [m for ln in output[:at] if (m := re.match(r"deltaserve: (\d+)/(\d+) deployments healthy", ln))]
+    assert len(progress) >= 2 and int(progress[0].group(1)) < int(progress[0].group(2)), output[:at]
+    assert progress[-1].group(1) == progress[-1].group(2) and int(progress[-1].group(2)) >= 5, output[:at]
     assert any(f"Bearer {key}" in ln for ln in output), "the curl example carries the key from DELTASERVE_API_KEY"
 
     base = f"http://127.0.0.1:{http_port}/v1"

@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+from collections import Counter
 
 from deployments.autoscaling import ops
 from deployments.autoscaling.ops import (
@@ -136,15 +137,35 @@ def _backend(args: argparse.Namespace):
 
 
 def _wait(backend, app: str, change: ops.Change, timeout_s: float) -> bool:
+    """Poll until ``change`` took effect, printing :func:`wait_progress` each time it changes."""
     what, met = change.wait
-    deadline = time.monotonic() + timeout_s
+    deadline, last = time.monotonic() + timeout_s, ""
     while time.monotonic() < deadline:
-        if met(backend.runtime(app)):
+        view = backend.runtime(app)
+        if met(view):
             print(f"done: {what}", flush=True)
             return True
+        if (line := wait_progress(view)) and line != last:
+            print(line, flush=True)
+            last = line
         time.sleep(1.0)
     print(f"deltaserve ops: not done after {timeout_s:g} s: {what}", file=sys.stderr)
     return False
+
+
+def wait_progress(view: ops.RuntimeView) -> str:
+    """``waiting: D 1 running, 1 starting (target 2); ...`` for each deployment whose replicas are not all
+    running at its target ("" when every listed one is)."""
+    parts = []
+    for name, d in sorted(view.deployments.items()):
+        if d.replicas is None:
+            continue
+        states = Counter(r.state for r in d.replicas)
+        if set(states) <= {ops.RUNNING} and d.target in (None, states[ops.RUNNING]):
+            continue
+        counts = ", ".join(f"{n} {state.lower()}" for state, n in sorted(states.items())) or "no replicas"
+        parts.append(f"{name} {counts}" + (f" (target {d.target})" if d.target is not None else ""))
+    return "waiting: " + "; ".join(parts) if parts else ""
 
 
 def _status(args: argparse.Namespace, backend) -> int:

@@ -182,3 +182,16 @@ def test_a_decode_replica_listed_in_drain_fails_its_health_checks():
         replica.check_health()
     replica.reconfigure(None)
     assert replica.draining is False
+
+
+def test_wait_progress_names_each_deployment_not_yet_running_at_its_target():
+    from deployments.cli.ops import wait_progress
+
+    settled = view(**{"decode-standard": ["a"], "prefill-standard": ["b"]})
+    assert wait_progress(settled) == ""
+    rising = RuntimeView("RUNNING", {**settled.deployments, "decode-standard": DeploymentView(
+        "decode-standard", "UPSCALING", 2, (ReplicaView("a", "RUNNING"), ReplicaView("c", "STARTING")))})
+    assert wait_progress(rising) == "waiting: decode-standard 1 running, 1 starting (target 2)"
+    drained = RuntimeView("RUNNING", {"decode-standard": DeploymentView("decode-standard", "UPDATING", 1, (
+        ReplicaView("a", "STOPPING"),)), "ingress": DeploymentView("ingress", "HEALTHY", None, None)})
+    assert wait_progress(drained) == "waiting: decode-standard 1 stopping (target 1)"  # unlisted replicas: skipped

@@ -126,7 +126,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--wave-chunks-per-request", type=float, default=None,
                     help="further chunks per request in the projected 16-stream wave (default: from "
-                         "benchmarks/results/serving.json, section a)")
+                         "benchmarks/results/serving.json, section a; 9 without it, 64 tokens at 100 ms chunks)")
     args = ap.parse_args()
 
     import ray

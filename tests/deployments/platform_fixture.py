@@ -2,33 +2,26 @@
 
 :func:`start_platform` writes a fresh tenants file with two tenants (``fuzz``: both pools and
 limits no test reaches; ``standard-only``: no highspeed, so its key gets 403 there), starts
-`deltaserve up` on free ports with its own Ray auth token, waits for the ready line and stops
-it with Ctrl-C (SIGINT) afterwards, as `make serve` is stopped. :class:`Platform` also finds
-the cluster's GCS address so a test can connect a Ray driver (Serve handles, actor lists).
+`deltaserve up` on free ports with its own Ray auth token (tests/deployments/up_process.py), waits
+for the ready line and stops it with Ctrl-C (SIGINT) afterwards, as `make serve` is stopped.
+:class:`Platform` also finds the cluster's GCS address so a test can connect a Ray driver (Serve
+handles, actor lists).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import queue
 import secrets
-import signal
 import subprocess
-import sys
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-from cache_service import find_free_port
+from tests.deployments.up_process import deltaserve_up, descendants
 
-from tests.deployments.up_process import descendants
-
-ROOT = Path(__file__).resolve().parents[2]
 MODEL = "k3-tiny"
 MODELS = (MODEL, f"{MODEL}-highspeed")
 #: a prompt whose greedy continuation the fuzz and the soak compare before and after
@@ -136,50 +129,19 @@ def write_tenants(path: Path) -> tuple[str, str]:
 
 @contextlib.contextmanager
 def start_platform(workdir: Path, *extra_args: str, cache: bool = False, timeout_s: float = 600) -> Iterator[Platform]:
-    """`deltaserve up` on free ports (``extra_args`` appended, e.g. ``--replicas decode-standard=2``;
-    ``cache``: with the prefix/KDA-state cache and the local redis-server it starts, else
-    ``--no-cache``), yielded once its ready line and curl example are out; stopped with SIGINT,
-    killed if it has not exited 120 s later; it must have printed ``deltaserve: stopped`` and exited 0."""
+    """`deltaserve up` on free ports (:func:`~tests.deployments.up_process.deltaserve_up`, which stops it with
+    SIGINT and checks that it printed ``deltaserve: stopped`` and exited 0) with a fresh tenants file
+    (:func:`write_tenants`), ``extra_args`` appended (e.g. ``--replicas decode-standard=2``); ``cache``: with the
+    prefix/KDA-state cache and the local redis-server it starts, else ``--no-cache``. Yielded once its ready line
+    and curl example are out."""
     workdir.mkdir(parents=True, exist_ok=True)
     key, standard_only = write_tenants(workdir / "tenants.yaml")
-    http_port, grpc_port, metrics_port = find_free_port(), find_free_port(), find_free_port()
     ray_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_") and k != "RAY_AUTH_TOKEN_PATH"}
-    env.update(ray_env)
-    env.update({"DELTASERVE_API_KEY": key,
-                "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)})
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "deployments.cli.main", "up", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-         "--tenants", str(workdir / "tenants.yaml"), *(() if cache else ("--no-cache",)), "--expert-transport", "direct",
-         "--metrics-export-port", str(metrics_port), "--no-prometheus", *extra_args],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: queue.Queue[str] = queue.Queue()
-    reader = threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True)
-    reader.start()
-    platform = Platform(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", key, standard_only, proc, ray_env,
-                        metrics_export_port=metrics_port)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while not any(ln.lstrip().startswith("curl ") for ln in platform.output):
-            if proc.poll() is not None:
-                raise RuntimeError("deltaserve up exited early:\n" + "".join(platform.output))
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no ready line after {timeout_s:.0f} s:\n" + "".join(platform.output))
-            with contextlib.suppress(queue.Empty):
-                platform.output.append(lines.get(timeout=1))
-        yield platform
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            rc = proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait(timeout=30)
-        reader.join(timeout=10)  # to the end of its output: the last lines come after the exit
-        while not lines.empty():
-            platform.output.append(lines.get())
-    # after a clean run only (a failing test's error is not masked): Ctrl-C stops it as it stops `make serve`
-    assert rc == 0 and any(ln.startswith("deltaserve: stopped") for ln in platform.output), "".join(platform.output)
+    args = ["--tenants", str(workdir / "tenants.yaml"), *(() if cache else ("--no-cache",)), "--expert-transport",
+            "direct", *extra_args]
+    with deltaserve_up(args, env={**ray_env, "DELTASERVE_API_KEY": key}, ready_s=timeout_s) as up:
+        yield Platform(f"http://127.0.0.1:{up.http_port}", f"127.0.0.1:{up.grpc_port}", key, standard_only, up.proc,
+                       ray_env, output=up.output, metrics_export_port=up.metrics_export_port)
 
 
 class SharedPlatform:

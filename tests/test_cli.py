@@ -38,10 +38,16 @@ def test_generate_bad_arguments_exit_2_with_message():
 
 
 def test_the_command_line_s_parsers_do_not_import_torch():
-    """Every `deltaserve` command builds the whole parser first: it must not pay torch's and the model's
-    import (seconds on a busy machine) before `ops`, `tenants` or `usage` do their small work."""
+    """The whole parser (``--help``, an unknown command) must not pay torch's and the model's import (seconds on a
+    busy machine); a named command's parser imports that command's module and no other's."""
     code = ("import sys; from deployments.cli.main import build_parser; build_parser(); "
             "print(sorted(m for m in ('torch', 'model', 'ray', 'triton') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+    code = ("import sys; from deployments.cli.main import COMMANDS, build_parser; "
+            "args = build_parser('ops').parse_args(['ops', 'status']); "
+            "print(args.command, sorted(m for m, _ in COMMANDS.values() if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["ops", "['deployments.cli.ops']"], out.stdout

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 
@@ -50,40 +51,46 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+# command -> (module, the function that adds its subparser); only the named command's module is imported
+# (each imports what its command needs: pydantic configs, Ray, the tenancy and autoscaling modules)
+COMMANDS = {
+    "up": ("deployments.cli.up", "add_up_parser"),
+    "tenants": ("deployments.cli.tenants", "add_tenants_parser"),
+    "cache": ("deployments.cli.cache", "add_cache_parser"),
+    "usage": ("deployments.cli.usage", "add_usage_parser"),
+    "k8s": ("deployments.cli.k8s", "add_k8s_parser"),
+    "autoscale": ("deployments.cli.autoscale", "add_autoscale_parser"),
+    "ops": ("deployments.cli.ops", "add_ops_parser"),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with ``command`` (a name in :data:`COMMANDS` or ``generate``) it holds that subcommand only, so a
+    call imports only its own command's module; without it (``--help``, an unknown command) every subcommand."""
     parser = argparse.ArgumentParser(prog="deltaserve", description="Serve Kimi-K3-family hybrid models.")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text in this process (no Ray)")
-    gen.add_argument("--model", default="k3-tiny", help="shipped checkpoint name, preset, or HF checkpoint directory")
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    gen.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
-    gen.add_argument("--ids", action="store_true", help="print token ids instead of text")
-    gen.set_defaults(func=_generate)
-    from deployments.cli.autoscale import add_autoscale_parser
-    from deployments.cli.cache import add_cache_parser
-    from deployments.cli.k8s import add_k8s_parser
-    from deployments.cli.ops import add_ops_parser
-    from deployments.cli.tenants import add_tenants_parser
-    from deployments.cli.up import add_up_parser
-    from deployments.cli.usage import add_usage_parser
-
-    add_up_parser(sub)
-    add_tenants_parser(sub)
-    add_cache_parser(sub)
-    add_usage_parser(sub)
-    add_k8s_parser(sub)
-    add_autoscale_parser(sub)
-    add_ops_parser(sub)
+    if command in (None, "generate"):
+        gen = sub.add_parser("generate", help="generate text in this process (no Ray)")
+        gen.add_argument("--model", default="k3-tiny", help="shipped checkpoint name, preset, or HF checkpoint directory")
+        gen.add_argument("--prompt", required=True)
+        gen.add_argument("--max-tokens", type=int, default=64)
+        gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+        gen.add_argument("--top-p", type=float, default=1.0)
+        gen.add_argument("--seed", type=int, default=None)
+        gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+        gen.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+        gen.add_argument("--ids", action="store_true", help="print token ids instead of text")
+        gen.set_defaults(func=_generate)
+    for name, (module, adder) in COMMANDS.items():
+        if command in (None, name):
+            getattr(importlib.import_module(module), adder)(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = argv[0] if argv and (argv[0] in COMMANDS or argv[0] == "generate") else None
+    args = build_parser(command).parse_args(argv)
     return args.func(args)
 
 

@@ -363,7 +363,7 @@ def _print_ready(config: PlatformConfig, new_key: str | None, took_s: float, pro
         print(f"deltaserve: created tenant 'dev' in {config.tenants_file}; API key (shown once): {new_key}")
     model = config.public_model_name
     print(f"deltaserve: ready in {took_s:.0f}s: HTTP http://{config.host}:{config.http_port}/v1 "
-          f"gRPC {config.host}:{config.grpc_port}  models: {model}, {config.model_id('highspeed')}  "
+          f"gRPC {config.host}:{config.grpc_port}  models: {', '.join(config.model_id(pool) for pool in config.pools)}  "
           f"Prometheus: {prometheus_url or 'off'}", flush=True)
     print(f"  curl http://{config.host}:{config.http_port}/v1/completions -H 'Authorization: Bearer {key}' "
           f"-H 'Content-Type: application/json' -d '{{\"model\": \"{model}\", \"prompt\": \"def fib(n):\", \"max_tokens\": 32}}'",

@@ -17,7 +17,9 @@ _shared = SharedPlatform(lambda: Path(tempfile.mkdtemp(prefix="deltaserve_up_"))
 
 @pytest.fixture
 def shared_platform() -> Platform:
-    """A running `deltaserve up` (tenants ``fuzz`` and ``standard-only``; see :class:`Platform`)."""
+    """A running `deltaserve up` started as `make serve` starts it: no tenants file and no $DELTASERVE_API_KEY, so
+    it created tenant ``dev`` and showed its key (:attr:`Platform.dev_key`); tenants ``fuzz`` and ``standard-only``
+    were added to the file once it was ready (see :class:`Platform`)."""
     return _shared.get()
 
 

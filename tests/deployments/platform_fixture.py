@@ -1,7 +1,8 @@
 """One `deltaserve up` subprocess for the end-to-end tests and benchmarks that need the whole platform.
 
 :func:`start_platform` writes a fresh tenants file with two tenants (``fuzz``: both pools and
-limits no test reaches; ``standard-only``: no highspeed, so its key gets 403 there), starts
+limits no test reaches; ``standard-only``: no highspeed, so its key gets 403 there; with ``generated_key``
+`deltaserve up` creates the file with its ``dev`` tenant and they are added once it is ready), starts
 `deltaserve up` on free ports with its own Ray auth token (tests/deployments/up_process.py), waits
 for the ready line and stops it with Ctrl-C (SIGINT) afterwards, as `make serve` is stopped.
 :class:`Platform` also finds the cluster's GCS address so a test can connect a Ray driver (Serve
@@ -11,6 +12,7 @@ handles, actor lists).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import subprocess
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.deployments.up_process import deltaserve_up, descendants
+from tests.deployments.up_process import UpProcess, deltaserve_up, descendants
 
 MODEL = "k3-tiny"
 MODELS = (MODEL, f"{MODEL}-highspeed")
@@ -40,6 +42,8 @@ class Platform:
     ray_env: dict[str, str]  # RAY_AUTH_MODE / RAY_AUTH_TOKEN a driver needs to join the cluster
     output: list[str] = field(default_factory=list)  # what `deltaserve up` printed so far
     metrics_export_port: int = 0  # Ray's metrics export port (http://127.0.0.1:<port>/metrics); no Prometheus runs
+    up: UpProcess | None = None  # the `deltaserve up` process (ports, Ray session directory)
+    dev_key: str = ""  # tenant "dev" when `deltaserve up` created the tenants file and showed a generated key (both pools)
 
     @property
     def auth(self) -> dict[str, str]:
@@ -117,10 +121,11 @@ def ray_driver(platform: Platform) -> Iterator[None]:
 
 
 def write_tenants(path: Path) -> tuple[str, str]:
-    """A tenants file with ``fuzz`` (both pools) and ``standard-only``; returns their keys."""
+    """A tenants file with ``fuzz`` (both pools) and ``standard-only``, added to the tenants already in ``path``
+    if it exists (a running ingress reloads a changed file); returns their keys."""
     from deployments.tenancy import TenantRegistry
 
-    reg = TenantRegistry(path=path)
+    reg = TenantRegistry.load(path) if path.exists() else TenantRegistry(path=path)
     _, key = reg.add("fuzz", pools=("standard", "highspeed"), rpm=10**7, tpm=10**10, max_context=8192)
     _, standard_only = reg.add("standard-only", pools=("standard",), rpm=10**7, tpm=10**10, max_context=8192)
     reg.save(path)
@@ -128,20 +133,43 @@ def write_tenants(path: Path) -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def start_platform(workdir: Path, *extra_args: str, cache: bool = False, timeout_s: float = 600) -> Iterator[Platform]:
+def start_platform(workdir: Path, *extra_args: str, cache: bool = False, standard_only: bool = False,
+                   generated_key: bool = False, timeout_s: float = 600) -> Iterator[Platform]:
     """`deltaserve up` on free ports (:func:`~tests.deployments.up_process.deltaserve_up`, which stops it with
     SIGINT and checks that it printed ``deltaserve: stopped`` and exited 0) with a fresh tenants file
     (:func:`write_tenants`), ``extra_args`` appended (e.g. ``--replicas decode-standard=2``); ``cache``: with the
-    prefix/KDA-state cache and the local redis-server it starts, else ``--no-cache``. Yielded once its ready line
-    and curl example are out."""
+    prefix/KDA-state cache and the local redis-server it starts, else ``--no-cache``; ``standard_only``: a config
+    with the standard pool alone, at its defaults (two engine replicas fewer to start, for tests that use no other
+    pool; the ready line then lists one model); ``generated_key``: started as `make serve` is, without
+    $DELTASERVE_API_KEY and without a tenants file, so `deltaserve up` creates it with tenant ``dev`` and shows a
+    generated key once (:attr:`Platform.dev_key`); the two tenants are added to that file once it is ready. Yielded
+    once its ready line and curl example are out."""
     workdir.mkdir(parents=True, exist_ok=True)
-    key, standard_only = write_tenants(workdir / "tenants.yaml")
+    tenants = workdir / "tenants.yaml"
+    if not generated_key:
+        key, standard_only_key = write_tenants(tenants)
     ray_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
     args = ["--tenants", str(workdir / "tenants.yaml"), *(() if cache else ("--no-cache",)), "--expert-transport",
             "direct", *extra_args]
-    with deltaserve_up(args, env={**ray_env, "DELTASERVE_API_KEY": key}, ready_s=timeout_s) as up:
-        yield Platform(f"http://127.0.0.1:{up.http_port}", f"127.0.0.1:{up.grpc_port}", key, standard_only, up.proc,
-                       ray_env, output=up.output, metrics_export_port=up.metrics_export_port)
+    if standard_only:
+        from deployments.config import PlatformConfig
+
+        pool = PlatformConfig().pools["standard"].model_dump(mode="json")
+        (workdir / "standard-only.json").write_text(json.dumps({"pools": {"standard": pool}}))
+        args += ["--config", str(workdir / "standard-only.json")]
+    with deltaserve_up(args, env={**ray_env, **({} if generated_key else {"DELTASERVE_API_KEY": key})},
+                       ready_s=timeout_s) as up:
+        dev_key = ""
+        if generated_key:
+            [shown] = [ln for ln in up.output if "API key (shown once): " in ln]
+            dev_key = shown.rsplit(": ", 1)[1].strip()
+            key, standard_only_key = write_tenants(tenants)
+        if standard_only:
+            ready = next(ln for ln in up.output if ln.startswith("deltaserve: ready"))
+            assert f"models: {MODEL}  " in ready, ready
+        yield Platform(f"http://127.0.0.1:{up.http_port}", f"127.0.0.1:{up.grpc_port}", key, standard_only_key,
+                       up.proc, ray_env, output=up.output, metrics_export_port=up.metrics_export_port, up=up,
+                       dev_key=dev_key)
 
 
 class SharedPlatform:
@@ -158,7 +186,7 @@ class SharedPlatform:
         if self.platform is None or self.platform.proc.poll() is not None:
             self.stop()
             self._stack = contextlib.ExitStack()
-            self.platform = self._stack.enter_context(start_platform(self._workdir_factory()))
+            self.platform = self._stack.enter_context(start_platform(self._workdir_factory(), generated_key=True))
         return self.platform
 
     def stop(self) -> None:

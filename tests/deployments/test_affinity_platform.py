@@ -23,7 +23,8 @@ HISTORY = "def load(path):\n    with open(path) as f:\n        return f.read()\n
 
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory):
-    with start_platform(tmp_path_factory.mktemp("affinity"), "--replicas", f"{DEPLOYMENT}=2", cache=True) as p:
+    with start_platform(tmp_path_factory.mktemp("affinity"), "--replicas", f"{DEPLOYMENT}=2", cache=True,
+                        standard_only=True) as p:
         with ray_driver(p):
             yield p
 

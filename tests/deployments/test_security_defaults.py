@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from deployments.tenancy import TenantRegistry
-from tests.deployments.up_process import deltaserve_up, run_up
+from tests.deployments.up_process import run_up
 
 
 def _listeners(port: int) -> list[str]:
@@ -61,19 +61,21 @@ def test_an_env_key_no_tenant_has_is_refused_at_start(tmp_path):
     assert key not in done.stdout + done.stderr and "ready" not in done.stdout
 
 
-def test_grpc_listens_on_localhost_only_and_the_generated_key_is_not_in_rays_logs(tmp_path):
-    with deltaserve_up(["--tenants", str(tmp_path / "tenants.yaml"), "--no-cache"]) as up:
-        [line] = [ln for ln in up.output if "API key (shown once): " in ln]
-        key = line.rsplit(": ", 1)[1].strip()
-        r = httpx.get(f"http://127.0.0.1:{up.http_port}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=60)
-        assert r.status_code == 200, r.text
-        assert _listeners(up.grpc_port) == ["127.0.0.1"]  # and no socket on [::] or 0.0.0.0
-        assert _listeners(up.http_port) == ["127.0.0.1"]
-        session = up.ray_session_dir()
-        files = [p for p in session.rglob("*") if p.is_file() and not p.is_symlink()]
-        assert any(p.suffix in (".log", ".err", ".out") for p in files)
-        leaked = [str(p) for p in files if key.encode() in p.read_bytes()]
-        assert leaked == []
+def test_grpc_listens_on_localhost_only_and_the_generated_key_is_not_in_rays_logs(shared_platform):
+    """On the shared platform, which `deltaserve up` started without a tenants file or $DELTASERVE_API_KEY (it
+    showed a generated key once), after the tests that share it so far have run."""
+    p = shared_platform
+    key = p.dev_key
+    assert key.startswith("ds-"), p.output
+    r = httpx.get(f"{p.http_url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert _listeners(p.up.grpc_port) == ["127.0.0.1"]  # and no socket on [::] or 0.0.0.0
+    assert _listeners(p.up.http_port) == ["127.0.0.1"]
+    session = p.up.ray_session_dir()
+    files = [f for f in session.rglob("*") if f.is_file() and not f.is_symlink()]
+    assert any(f.suffix in (".log", ".err", ".out") for f in files)
+    leaked = [str(f) for f in files if key.encode() in f.read_bytes()]
+    assert leaked == []
 
 
 def test_check_env_key_accepts_a_key_of_the_file_and_names_the_file_otherwise(tmp_path):

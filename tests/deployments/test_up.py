@@ -9,12 +9,13 @@ from tests.deployments.up_process import check_up_serves
 
 def test_deltaserve_up_serves_in_its_default_serve_mode(shared_platform):
     """Throughput-optimized Serve (gRPC between replicas; the state handoff in the prefill reply), on the shared
-    platform: a `deltaserve up` started with $DELTASERVE_API_KEY and stopped with Ctrl-C when the tests that share
-    it are done, which must then print ``deltaserve: stopped`` and exit 0 (``start_platform`` checks it). The other
-    mode, ``--serve-actor-calls``, is checked the same way in tests/deployments/test_long_prompts.py."""
+    platform: a `deltaserve up` started as `make serve` starts it (it creates the tenants file and shows a
+    generated key) and stopped with Ctrl-C when the tests that share it are done, which must then print
+    ``deltaserve: stopped`` and exit 0 (``start_platform`` checks it). The other mode, ``--serve-actor-calls``
+    (started with $DELTASERVE_API_KEY), is checked the same way in tests/deployments/test_long_prompts.py."""
     p = shared_platform
     http_port, grpc_port = int(p.http_url.rsplit(":", 1)[1]), int(p.grpc_target.rsplit(":", 1)[1])
-    check_up_serves(p.output, p.proc.pid, http_port, grpc_port, p.key, actor_calls=False)
+    check_up_serves(p.output, p.proc.pid, http_port, grpc_port, p.dev_key, actor_calls=False)
 
 
 def test_autoscale_and_budget_flags_reach_the_config(tmp_path):

@@ -164,19 +164,21 @@ def serve_replica_environs(pid: int) -> list[dict[str, str]]:
 
 
 def check_up_serves(output: list[str], pid: int, http_port: int, grpc_port: int, key: str, *, actor_calls: bool) -> None:
-    """What a ready `deltaserve up` (pid ``pid``, started with ``key`` in $DELTASERVE_API_KEY) shows in either
+    """What a ready `deltaserve up` (pid ``pid``; ``key``: the one it was given in $DELTASERVE_API_KEY, or the one it
+    generated and showed) shows in either
     Serve mode: a ready line with its addresses, a curl example with the key, HTTP that wants the key and
     serves both models, and every Serve replica in the environment `up` gave Ray
     (``deployments.cli.up.serve_env``: throughput-optimized unless ``--serve-actor-calls``)."""
     at = next(i for i, ln in enumerate(output) if ln.startswith("deltaserve: ready"))
     ready = output[at]
     assert f"http://127.0.0.1:{http_port}/v1" in ready and f"127.0.0.1:{grpc_port}" in ready, ready
+    assert "models: k3-tiny, k3-tiny-highspeed  " in ready, ready
     # progress while the deployments start (the first count comes as soon as Serve lists them, long before every
     # replica is up), the last one before the ready line with every deployment healthy
     progress = [m for ln in output[:at] if (m := re.match(r"deltaserve: (\d+)/(\d+) deployments healthy", ln))]
     assert len(progress) >= 2 and int(progress[0].group(1)) < int(progress[0].group(2)), output[:at]
     assert progress[-1].group(1) == progress[-1].group(2) and int(progress[-1].group(2)) >= 5, output[:at]
-    assert any(f"Bearer {key}" in ln for ln in output), "the curl example carries the key from DELTASERVE_API_KEY"
+    assert any(f"Bearer {key}" in ln for ln in output), "the curl example carries the tenant's key"
 
     base = f"http://127.0.0.1:{http_port}/v1"
     assert httpx.get(f"{base}/models", timeout=30).status_code == 401

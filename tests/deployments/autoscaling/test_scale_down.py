@@ -26,7 +26,8 @@ DEPLOYMENT = "decode-standard"
 
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory):
-    with start_platform(tmp_path_factory.mktemp("scale_down"), "--replicas", f"{DEPLOYMENT}=3") as p, ray_driver(p):
+    with start_platform(tmp_path_factory.mktemp("scale_down"), "--replicas", f"{DEPLOYMENT}=3",
+                        standard_only=True) as p, ray_driver(p):
         yield p
 
 

@@ -59,8 +59,9 @@ class PoolConfig(_Strict):
                                  "requests may take where the two share a CPU: in one engine, a step that decodes "
                                  "takes only the prompt tokens that fit this share at its measured costs (chunked "
                                  "prefill interleaved with decode); a prefill replica's step thread is put the "
-                                 "matching number of nice levels (0.25: 5) below its process's, at most 19 (Ray's "
-                                 "workers start at nice 15: see docs/architecture.md). 1 = no limit")
+                                 "matching number of nice levels (0.25: 5) below its process's, at most 19, and "
+                                 "under SCHED_IDLE where that is not low enough (Ray's workers start at nice 15: "
+                                 "see docs/architecture.md). 1 = no limit")
     request_timeout_s: float = Field(600.0, gt=0, description="end-to-end deadline of one request in this pool, "
                                      "failovers included (the frontend enforces it; past it: 504)")
     max_queued_requests: int = Field(64, gt=0, description="requests an ingress replica holds waiting for a free "

@@ -38,9 +38,12 @@ in the engine is aborted right after the step under way (its slot is free before
 ``step_nice`` (a prefill replica's prefill share, :func:`nice_for_share`): how many nice levels the
 thread that runs the steps sits below its process (at most 19; Linux schedules threads, and the event
 loop keeps the process's priority, so replies go out at once). Relative, because Ray starts every
-worker process at nice 15: the prefill replica's steps then run at 19 (15 + 5, capped) beside a decode
-replica's at 15. When another process wants the same core (a decode replica beside it) the kernel
-gives that one the larger part; an idle machine still gives the steps all of it.
+worker process at nice 15. Where the wanted level is past 19 (under Ray, 15 + 5 for the default share
+0.25), nice 19 alone would still take about 29% of a core shared with a thread at 15 (CFS weights 15
+vs 36), more than the share allows, so the step thread also goes under ``SCHED_IDLE`` (weight 3, about
+8%; a task waking on a core that runs only idle-policy threads takes it at once). When another process
+wants the same core (a decode replica beside it) the kernel gives that one the larger part; an idle
+core still gives the steps all of it.
 
 A failed step fails only its requests: their generators raise
 :class:`~deployments.engine.errors.EngineStepError`, and the engine steps on. Once the engine
@@ -302,7 +305,9 @@ class AsyncEngine:
 
     def _lower_priority(self) -> None:
         """Lower the calling (step) thread ``step_nice`` levels below the priority it started at (which
-        it inherits from the process), once, at most to 19; never raises it back (that needs privileges)."""
+        it inherits from the process), once, at most to 19; where that would go past 19 (a Ray worker starts at
+        15), also put it under ``SCHED_IDLE`` (see the module docstring). Never raises it back (that needs
+        privileges)."""
         tid = threading.get_native_id()
         if not self.step_nice or tid in self._niced:
             return
@@ -312,6 +317,8 @@ class AsyncEngine:
             target = min(MAX_NICE, start + self.step_nice)
             if target > start:
                 os.setpriority(os.PRIO_PROCESS, tid, target)
+            if start + self.step_nice > MAX_NICE:  # the share is below what nice 19 gives: the idle policy
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
         except OSError as e:  # not Linux, or a sandbox that forbids it: the steps run at the process's priority
             log.warning("could not lower the engine step thread's priority by %d nice levels: %s", self.step_nice, e)
 

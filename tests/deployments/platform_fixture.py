@@ -149,7 +149,7 @@ def start_platform(workdir: Path, *extra_args: str, cache: bool = False, standar
     if not generated_key:
         key, standard_only_key = write_tenants(tenants)
     ray_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
-    args = ["--tenants", str(workdir / "tenants.yaml"), *(() if cache else ("--no-cache",)), "--expert-transport",
+    args = ["--tenants", str(tenants), *(() if cache else ("--no-cache",)), "--expert-transport",
             "direct", *extra_args]
     if standard_only:
         from deployments.config import PlatformConfig

@@ -152,6 +152,7 @@ def start_platform(workdir: Path, *extra_args: str, cache: bool = False, standar
     args = ["--tenants", str(tenants), *(() if cache else ("--no-cache",)), "--expert-transport",
             "direct", *extra_args]
     if standard_only:
+        assert "--config" not in extra_args, "standard_only writes the config: pass its pools in your own --config"
         from deployments.config import PlatformConfig
 
         pool = PlatformConfig().pools["standard"].model_dump(mode="json")

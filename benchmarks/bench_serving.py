@@ -230,6 +230,8 @@ def _component(cmdline: str) -> str:
         return "Serve HTTP proxy"
     if "ServeController" in cmdline:
         return "Serve controller"
+    if "redis-server" in cmdline:
+        return "Redis"
     return "Ray system (raylet, gcs, idle workers)"
 
 

@@ -13,6 +13,12 @@ only difference.
 ``ignore_eos``. Per wave: output tokens/s, TTFT p50 and the CPU seconds of every process under `deltaserve up`
 (and of this client) by component; medians over the waves of each setting.
 
+Before the platform starts, the same burst in this process on one ``Engine`` (the standard pool's token budget,
+one torch thread): prefill only, with the replicas' ``CheckpointPlan`` and without, alternated ``--reps`` times
+after a warm-up round. Per step: prompt tokens computed and requests finished (their first token), and when the
+median request finished: the step on which the cache's split of each prompt at its last full block puts the
+first tokens.
+
 Writes ``benchmarks/results/cache_cost.{json,md}``.
 
     .venv/bin/python benchmarks/bench_cache_cost.py
@@ -42,6 +48,44 @@ COMMAND = ".venv/bin/python benchmarks/bench_cache_cost.py"
 MODES = ("cache on", "cache off")
 
 
+def engine_bursts(args, text: str) -> dict[str, list[dict]]:
+    """The in-process comparison (module docstring): per setting, each burst's steps and median finish time."""
+    import torch
+
+    from deployments.config import PlatformConfig
+    from deployments.engine import CheckpointPlan, Engine, EngineConfig, GenerationRequest
+    from model import load_model, load_tokenizer
+    from model.runner import ModelRunner
+
+    torch.set_num_threads(1)
+    config = PlatformConfig()
+    std = config.pools["standard"]
+    model, tok = load_model(config.model), load_tokenizer(config.model)
+    plan = CheckpointPlan(config.cache.block_size, config.cache.checkpoint_every)
+    out: dict[str, list[dict]] = {m: [] for m in MODES}
+    for rep in range(args.reps + 1):  # the first round warms up
+        for mode in (MODES if rep % 2 == 0 else MODES[::-1]):
+            engine = Engine(ModelRunner(model, config.num_slots), tok,
+                            EngineConfig(num_slots=config.num_slots, max_num_seqs=std.max_num_seqs,
+                                         max_num_batched_tokens=std.max_num_batched_tokens))
+            for j in range(args.streams):
+                start = (j * 7919 + rep * 17) % (len(text) - args.prompt_chars)
+                ids = tok.encode((f"# engine {mode} {rep} {j}\n" + text[start:])[: args.prompt_chars])
+                engine.add_request(GenerationRequest(f"r{j}", ids, 1), keep_state_on_finish=True, continues=True,
+                                   checkpoint_plan=plan if mode == "cache on" else None)
+            steps, finish, done, t0 = [], [], 0, time.perf_counter()
+            while done < args.streams:
+                before = engine.stats.prompt_tokens_computed
+                n = sum(1 for o in engine.step() if o.finished)
+                done += n
+                finish += [time.perf_counter() - t0] * n
+                steps.append({"prompt_tokens": engine.stats.prompt_tokens_computed - before, "finished": n,
+                              "t_s": round(time.perf_counter() - t0, 4)})
+            if rep >= 1:
+                out[mode].append({"steps": steps, "median_finish_s": statistics.median(finish)})
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=2, help="starts of each setting, interleaved")
@@ -59,6 +103,11 @@ def main() -> int:
     text = corpus()
     waves: dict[str, list[dict]] = {m: [] for m in MODES}
     t_start = time.monotonic()
+    bursts = engine_bursts(args, text)
+    for mode in MODES:
+        for b in bursts[mode]:
+            print(f"engine, {mode}: steps (prompt tokens, finished) {[(x['prompt_tokens'], x['finished']) for x in b['steps']]}, "
+                  f"median request finished at {b['median_finish_s']:.3f} s", flush=True)
     limits_redis = LocalRedisServer(find_free_port()).start()  # the cache-off platform's Redis for limits and usage
     try:
         for rep in range(args.reps):
@@ -104,6 +153,14 @@ def main() -> int:
     cpu_table = "\n".join(f"| {c} | {1e3 * med_cpu(MODES[0], c):.0f} | {1e3 * med_cpu(MODES[1], c):.0f} |"
                           for c in components if max(med_cpu(MODES[0], c), med_cpu(MODES[1], c)) >= 0.005)
     tokens = args.streams * args.max_tokens
+    engine_med = {m: statistics.median(b["median_finish_s"] for b in bursts[m]) for m in MODES}
+    ratios["engine_median_finish_s"] = engine_med[MODES[0]] / engine_med[MODES[1]]
+
+    def steps_cell(steps: list[dict]) -> str:
+        return ", ".join(f"{x['prompt_tokens']}/{x['finished']}" for x in steps)
+
+    engine_table = "\n".join(f"| {m} | {steps_cell(b['steps'])} | {b['median_finish_s']:.3f} |"
+                              for m in MODES for b in bursts[m])
     notes = "\n".join([
         f"`deltaserve up` on its defaults (k3-tiny), {args.reps} starts of each setting interleaved, {args.waves} timed "
         f"waves per start after a warm-up wave; each wave {args.streams} concurrent streams of {args.prompt_chars}-"
@@ -113,6 +170,18 @@ def main() -> int:
         f"Cache on / off: tokens/s **{ratios['tokens_per_s']:.2f}x**, TTFT p50 **{ratios['ttft_p50_s']:.2f}x**, CPU per "
         f"wave **{ratios['cpu_s_per_wave']:.2f}x** ({tokens} output tokens per wave). Whole run "
         f"{time.monotonic() - t_start:.0f} s on the machine's 2 shared cores: compare the settings, not absolute figures.",
+        "",
+        f"In process, one Engine, the same burst (prefill only): the median request has its first token after "
+        f"{engine_med[MODES[0]]:.3f} s with the replicas' CheckpointPlan vs {engine_med[MODES[1]]:.3f} s without "
+        f"(**{ratios['engine_median_finish_s']:.2f}x**). Per step, prompt tokens computed / requests finished:",
+        "",
+        "| setting | steps | median request finished, s |",
+        "|---|---|---|",
+        engine_table,
+        "",
+        "With the plan each prompt is cut at its last full block (its KDA checkpoint is taken there), so its last "
+        "few tokens need a step of their own: no request finishes in the first step, and the tails wait behind the "
+        "other prompts' chunks in the next.",
         "",
         "CPU ms per wave by component (median over the waves):",
         "",
@@ -127,6 +196,7 @@ def main() -> int:
     record = json.loads(paths["json"].read_text())
     record["waves"] = waves
     record["ratios"] = ratios
+    record["engine_bursts"] = bursts
     paths["json"].write_text(json.dumps(record, indent=2, default=str) + "\n")
     print(json.dumps(rows, indent=1))
     print(f"cache on / off: tokens/s {ratios['tokens_per_s']:.2f}x, TTFT p50 {ratios['ttft_p50_s']:.2f}x, "

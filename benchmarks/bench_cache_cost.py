@@ -30,18 +30,17 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.bench_direct_ingress import bench_tenant, burst_texts  # noqa: E402
 from benchmarks.bench_serving import cpu_by_component, cpu_delta  # noqa: E402
 from benchmarks.bench_vs_vllm import corpus, http_wave  # noqa: E402
 from benchmarks.report import write_report  # noqa: E402
 from cache_service import LocalRedisServer, find_free_port  # noqa: E402
-from deployments.tenancy import TenantRegistry  # noqa: E402
 from tests.deployments.up_process import deltaserve_up  # noqa: E402
 
 COMMAND = ".venv/bin/python benchmarks/bench_cache_cost.py"
@@ -68,11 +67,9 @@ def engine_bursts(args, text: str) -> dict[str, list[dict]]:
             engine = Engine(ModelRunner(model, config.num_slots), tok,
                             EngineConfig(num_slots=config.num_slots, max_num_seqs=std.max_num_seqs,
                                          max_num_batched_tokens=std.max_num_batched_tokens))
-            for j in range(args.streams):
-                start = (j * 7919 + rep * 17) % (len(text) - args.prompt_chars)
-                ids = tok.encode((f"# engine {mode} {rep} {j}\n" + text[start:])[: args.prompt_chars])
-                engine.add_request(GenerationRequest(f"r{j}", ids, 1), keep_state_on_finish=True, continues=True,
-                                   checkpoint_plan=plan if mode == "cache on" else None)
+            for j, prompt in enumerate(burst_texts(text, f"engine {mode} {rep}", rep * 17, args.streams, args.prompt_chars)):
+                engine.add_request(GenerationRequest(f"r{j}", tok.encode(prompt), 1), keep_state_on_finish=True,
+                                   continues=True, checkpoint_plan=plan if mode == "cache on" else None)
             steps, finish, done, t0 = [], [], 0, time.perf_counter()
             while done < args.streams:
                 before = engine.stats.prompt_tokens_computed
@@ -96,10 +93,7 @@ def main() -> int:
     ap.add_argument("--out-dir", type=Path, default=None)
     args = ap.parse_args()
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench_cache_cost_"))
-    reg = TenantRegistry()
-    _, key = reg.add("bench", pools=["standard"], rpm=1_000_000, tpm=1_000_000_000, max_context=8192)
-    reg.save(tmp / "tenants.yaml")
+    tmp, key = bench_tenant("bench_cache_cost_")
     text = corpus()
     waves: dict[str, list[dict]] = {m: [] for m in MODES}
     t_start = time.monotonic()
@@ -116,11 +110,8 @@ def main() -> int:
                 with deltaserve_up(["--tenants", str(tmp / "tenants.yaml"), *flags], env=env) as up:
                     base = f"http://127.0.0.1:{up.http_port}"
                     for i in range(args.waves + 1):
-                        texts = []
-                        for j in range(args.streams):
-                            head = f"# {mode} {rep} {i} request {j}\n"
-                            start = (j * 7919 + i * 131 + rep * 17) % (len(text) - args.prompt_chars)
-                            texts.append((head + text[start:])[: args.prompt_chars])
+                        texts = burst_texts(text, f"{mode} {rep} {i}", i * 131 + rep * 17, args.streams,
+                                            args.prompt_chars)
                         c0 = cpu_by_component()
                         w = http_wave(base, key, "k3-tiny", texts, args.max_tokens)
                         time.sleep(0.5)  # the replicas' background work of the wave (cache writes) ends

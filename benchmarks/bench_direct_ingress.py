@@ -50,6 +50,26 @@ def direct_env() -> tuple[dict[str, str], int]:
             "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(grpc), "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(grpc + 1)}, http
 
 
+def bench_tenant(prefix: str) -> tuple[Path, str]:
+    """A temp folder holding a tenants file with one tenant on the standard pool whose limits a benchmark never
+    reaches: (the folder, the tenant's key)."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    reg = TenantRegistry()
+    _, key = reg.add("bench", pools=["standard"], rpm=1_000_000, tpm=1_000_000_000, max_context=8192)
+    reg.save(tmp / "tenants.yaml")
+    return tmp, key
+
+
+def burst_texts(text: str, tag: str, salt: int, streams: int, prompt_chars: int) -> list[str]:
+    """``streams`` prompts of ``prompt_chars`` characters from ``text``, each opening with its own line (``tag``
+    and its index), so that no two share a cached prefix; ``salt`` moves where in ``text`` they start."""
+    out = []
+    for j in range(streams):
+        start = (j * 7919 + salt) % (len(text) - prompt_chars)
+        out.append((f"# {tag} request {j}\n" + text[start:])[:prompt_chars])
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=2, help="starts of each mode, interleaved")
@@ -59,10 +79,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench_direct_ingress_"))
-    reg = TenantRegistry()
-    _, key = reg.add("bench", pools=["standard"], rpm=1_000_000, tpm=1_000_000_000, max_context=8192)
-    reg.save(tmp / "tenants.yaml")
+    tmp, key = bench_tenant("bench_direct_ingress_")
     text = corpus()
     waves: dict[str, list[dict]] = {m: [] for m in MODES}
     t_start = time.monotonic()
@@ -72,11 +89,7 @@ def main() -> None:
             with deltaserve_up(["--tenants", str(tmp / "tenants.yaml")], env=env) as up:
                 base = f"http://127.0.0.1:{port or up.http_port}"
                 for i in range(args.waves + 1):
-                    texts = []
-                    for j in range(args.streams):
-                        head = f"# {mode} {rep} {i} request {j}\n"
-                        start = (j * 7919 + i * 131 + rep * 17) % (len(text) - args.prompt_chars)
-                        texts.append((head + text[start:])[: args.prompt_chars])
+                    texts = burst_texts(text, f"{mode} {rep} {i}", i * 131 + rep * 17, args.streams, args.prompt_chars)
                     w = http_wave(base, key, "k3-tiny", texts, args.max_tokens)
                     assert w["completion_tokens"] == [args.max_tokens] * args.streams, w["completion_tokens"]
                     if i == 0:

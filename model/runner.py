@@ -84,6 +84,7 @@ class ModelRunner:
         self._free = list(range(num_slots - 1, -1, -1))
         # Build (or load from the disk cache) the native CPU kernels now, not inside the first step.
         self.native_kernels = native_kernels() if self.model.device.type == "cpu" else {}
+        self.step_snapshots: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # the last step's (step)
 
     # -- slots ----------------------------------------------------------------
     @property
@@ -113,14 +114,39 @@ class ModelRunner:
         self.lengths[slot] = state.position
 
     # -- compute ----------------------------------------------------------------
+    @property
+    def snapshots_in_step(self) -> bool:
+        """Whether :meth:`step` can copy KDA states out inside a chunk (``snap_at``): the KDA layers' native
+        prefill runs (fp32 on CPU, the fast paths and the C kernel on). Without it a caller that needs the state
+        at a position ends a chunk there."""
+        from kernels.kda import cpu as kda_cpu
+
+        from .layers import fused
+
+        return (self.model.device.type == "cpu" and self.model.dtype == torch.float32 and fused.ENABLED
+                and fused.PREFILL and fused.NATIVE and kda_cpu.available())
+
     @torch.inference_mode()
-    def step(self, slots: list[int], chunks: list[list[int]]) -> torch.Tensor:
-        """One forward over ``chunks[i]`` appended to ``slots[i]``; logits at each chunk's last token [N, V]."""
-        layout = BatchLayout.make(slots, [self.lengths[s] for s in slots], [len(c) for c in chunks], device=self.model.device)
+    def step(self, slots: list[int], chunks: list[list[int]], snap_at: list[int] | None = None) -> torch.Tensor:
+        """One forward over ``chunks[i]`` appended to ``slots[i]``; logits at each chunk's last token [N, V].
+
+        ``snap_at[i]``: 0, or an offset inside ``chunks[i]`` (needs :attr:`snapshots_in_step`): the KDA states and
+        conv tails of ``slots[i]`` after that many of the chunk's tokens land in :attr:`step_snapshots`, ``slot ->
+        (states, tails)``, one tensor per KDA layer as :meth:`~model.state.StatePool.kda_snapshot` gives them."""
+        layout = BatchLayout.make(slots, [self.lengths[s] for s in slots], [len(c) for c in chunks], device=self.model.device,
+                                  snap_at=snap_at or ())
+        if layout.snap_at and not self.snapshots_in_step:
+            raise RuntimeError("snap_at needs the KDA layers' native prefill (ModelRunner.snapshots_in_step is False)")
         ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64, device=self.model.device)
         hidden = self.model.hidden_packed(ids, layout, self.pool)
         for s, c in zip(slots, chunks):
             self.lengths[s] += len(c)
+        n_kda = len(self.pool.kda_state)
+        self.step_snapshots: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for slot, by_layer in layout.snapshots.items():
+            if sorted(by_layer) != list(range(n_kda)):
+                raise RuntimeError(f"slot {slot}: KDA states inside the chunk from layers {sorted(by_layer)} of {n_kda} (a bug)")
+            self.step_snapshots[slot] = ([by_layer[i][0] for i in range(n_kda)], [by_layer[i][1] for i in range(n_kda)])
         return self.model.lm_head(hidden.index_select(0, layout.last_token_index)).float()
 
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:

@@ -243,6 +243,7 @@ class Engine:
             raise ValueError(f"cached_prefix.position={cached_prefix.position} must be in 1..{n - 1} (request {rid!r})")
         seq = Sequence(req, self.tokenizer, max_model_len=self.config.max_model_len, keep_state_on_finish=keep_state_on_finish,
                        replay_ids=replay_ids, checkpoint_plan=checkpoint_plan, continues=continues)
+        seq.snapshot_in_step = checkpoint_plan is not None and self.runner.snapshots_in_step
         draws = len(replay_ids) + (resume_state is not None)
         for _ in range(draws if seq.generator is not None else 0):  # a draw consumes the same randomness whatever the logits
             sample(torch.zeros(1, vocab), req.sampling, seq.generator)
@@ -291,7 +292,9 @@ class Engine:
             return outputs
         prompt_before, decode_before = self.stats.prompt_tokens_computed, self.stats.decode_tokens
         try:
-            logits = self.runner.step(batch.slots, batch.token_chunks)
+            snap_at = [c.seq.snapshot_offset(len(c.token_ids)) for c in batch.chunks]
+            logits = (self.runner.step(batch.slots, batch.token_chunks, snap_at=snap_at) if any(snap_at)
+                      else self.runner.step(batch.slots, batch.token_chunks))
             self._postprocess(batch, logits, outputs, t)
         except Exception as e:
             self._outputs = outputs + self._outputs
@@ -384,7 +387,13 @@ class Engine:
         assert plan is not None and seq.slot is not None
         full = seq.num_computed // plan.block_size * plan.block_size
         kda = conv = None
-        if seq.num_computed == full and full > seq.kda_checkpointed:
+        inside = self.runner.step_snapshots.get(seq.slot) if seq.snapshot_in_step else None
+        if inside is not None and full > seq.kda_checkpointed:
+            # the step crossed the prompt's last full block and took its state there (Sequence.snapshot_offset); the
+            # chunk ended past it, within the same block
+            kda, conv = inside
+            seq.held_kda, seq.kda_checkpointed = None, full
+        elif seq.num_computed == full and full > seq.kda_checkpointed:
             kda, conv = self.runner.pool.kda_snapshot(seq.slot)
             prefilling = full <= seq.num_known_at_start  # chunks were cut to end here
             if not prefilling and full % plan.interval:

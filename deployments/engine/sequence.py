@@ -314,6 +314,9 @@ class Sequence:
         self.kda_checkpointed = 0  # position of the latest KDA checkpoint reported (or restored)
         self.held_kda: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None  # decode-time boundary state not reported yet
         self.pending_checkpoints: list[Checkpoint] = []
+        # the engine's runner takes KDA states inside a chunk (ModelRunner.snapshots_in_step): the chunk that reaches
+        # the prompt's last full block need not end there (tokens_to_boundary, snapshot_offset)
+        self.snapshot_in_step = False
         self.first_step_at: float | None = None  # time.perf_counter() when the first step that computed it began
         if replay_ids:
             self._replay(list(replay_ids))
@@ -341,19 +344,38 @@ class Sequence:
         """The whole prompt is in the state; each step feeds the last sampled token."""
         return self.num_computed >= self.num_prompt_tokens
 
+    @property
+    def _last_full(self) -> int:
+        """The last full block of the tokens known at start: where the prompt's KDA checkpoint goes."""
+        plan = self.checkpoint_plan
+        assert plan is not None
+        return self.num_known_at_start // plan.block_size * plan.block_size
+
     def tokens_to_boundary(self) -> int:
         """Most tokens the next chunk may compute without crossing a KDA checkpoint position
-        (the checkpoint plan's interval, or the last full block of the tokens known at start)."""
+        (the checkpoint plan's interval, the positions it names, or the last full block of the tokens known at
+        start; that last one only without :attr:`snapshot_in_step`, which takes its state inside the chunk)."""
         plan = self.checkpoint_plan
         if plan is None:
             return self.num_uncomputed
         p = self.num_computed
         nxt = (p // plan.interval + 1) * plan.interval
-        last_full = self.num_known_at_start // plan.block_size * plan.block_size
-        for stop in (last_full, *(e // plan.block_size * plan.block_size for e in plan.extra)):
+        last_full = self._last_full
+        stops = [e // plan.block_size * plan.block_size for e in plan.extra]
+        if not self.snapshot_in_step:
+            stops.append(last_full)
+        for stop in stops:
             if p < stop <= last_full:
                 nxt = min(nxt, stop)
         return max(1, nxt - p)
+
+    def snapshot_offset(self, n: int) -> int:
+        """For a next chunk of ``n`` tokens: the offset inside it of the prompt's last full block when the chunk
+        crosses it and its KDA state is taken in the step (:attr:`snapshot_in_step`), else 0."""
+        if not self.snapshot_in_step or self.checkpoint_plan is None:
+            return 0
+        p, last_full = self.num_computed, self._last_full
+        return last_full - p if p < last_full < p + n and last_full > self.kda_checkpointed else 0
 
     @property
     def token_ids(self) -> list[int]:

@@ -147,6 +147,9 @@ class KimiDeltaAttention(nn.Module):
             return self._decode_fast(x, layout, pool, i)
         if fast_path_ok(x) and fused.PREFILL and fused.NATIVE and kda_cpu.available():
             return self._prefill_native(x, layout, pool, i)
+        if layout.snap_at:
+            raise RuntimeError("KDA states inside a chunk (BatchLayout.snap_at) are taken only by the native prefill "
+                               "path; the caller must check ModelRunner.snapshots_in_step")
         if layout.is_decode:
             q, k, v = self._conv_decode(x, layout, pool.conv_state[i])
         else:
@@ -259,9 +262,35 @@ class KimiDeltaAttention(nn.Module):
             conv.index_fill_(0, rows, 0.0)
             state.index_fill_(0, rows, 0.0)
         gate = gate_in if w_gb is None else linear_t(gate_in, w_gb)
-        o = kda_cpu.kda_prefill_cpu(qkv, conv, wc, linear_t(fa, w_fb, dt), a_vec, self.lower_bound is None, b, gate, state,
-                                    layout.slot_index, layout.cu_seqlens, eps_o * D)
-        return linear_t(o, w_o)
+        g = linear_t(fa, w_fb, dt)
+        if not layout.snap_at:
+            o = kda_cpu.kda_prefill_cpu(qkv, conv, wc, g, a_vec, self.lower_bound is None, b, gate, state,
+                                        layout.slot_index, layout.cu_seqlens, eps_o * D)
+            return linear_t(o, w_o)
+        # states inside a chunk (layout.snap_at): the kernel runs token after token and keeps each slot's state and
+        # conv tails in the pool between calls, so the chunk runs as two calls, the tokens before each sequence's
+        # offset and then the rest, with the states copied in between: the same values as one call
+        first = [(n, o) for n, o in enumerate(layout.snap_at) if o]
+        spans = layout.spans
+        rows1 = torch.cat([torch.arange(spans[n][0], spans[n][0] + o) for n, o in first])
+        keep = torch.ones(x.shape[0], dtype=torch.bool)
+        keep[rows1] = False
+        rows2 = keep.nonzero().squeeze(1)
+        cu1 = torch.zeros(len(first) + 1, dtype=torch.int64)
+        cu1[1:] = torch.tensor([o for _, o in first]).cumsum(0)
+        cu2 = torch.zeros(layout.num_seqs + 1, dtype=torch.int64)
+        cu2[1:] = torch.tensor([n - o for n, o in zip(layout.lengths, layout.snap_at)]).cumsum(0)
+        sel = lambda t, rows: t.index_select(0, rows)  # noqa: E731
+        slots1 = torch.tensor([layout.slots[n] for n, _ in first], dtype=torch.int64)
+        out = x.new_empty(x.shape[0], self.num_heads * D)
+        out[rows1] = kda_cpu.kda_prefill_cpu(sel(qkv, rows1), conv, wc, sel(g, rows1), a_vec, self.lower_bound is None,
+                                             sel(b, rows1), sel(gate, rows1), state, slots1, cu1, eps_o * D)
+        for n, _ in first:
+            slot = layout.slots[n]
+            layout.snapshots.setdefault(slot, {})[i] = (state[slot].clone(), conv[slot].clone())
+        out[rows2] = kda_cpu.kda_prefill_cpu(sel(qkv, rows2), conv, wc, sel(g, rows2), a_vec, self.lower_bound is None,
+                                             sel(b, rows2), sel(gate, rows2), state, layout.slot_index, cu2, eps_o * D)
+        return linear_t(out, w_o)
 
     def _decode_fast(self, x: torch.Tensor, layout: BatchLayout, pool: StatePool, i: int) -> torch.Tensor:
         """The decode step of :meth:`forward` (same math, fewer kernels) for fp32 on CPU without autograd.

@@ -78,3 +78,30 @@ def test_codec_round_trips_empty_strided_and_half_tensors_exactly():
         assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
     body = sum(t.numel() * t.element_size() for _, t in tensors)
     assert len(blob) == 4 + 6 + len(json.dumps(header, separators=(",", ":"))) + body + CHECKSUM_BYTES
+
+
+def test_kda_states_taken_inside_a_chunk_equal_the_states_of_a_chunk_cut_there(model):
+    """``ModelRunner.step(..., snap_at=...)``: each KDA layer's state and conv tails after ``snap_at[i]`` tokens of
+    chunk i, copied out during the step, are bit for bit those after a step that ends there (the native kernel
+    runs token after token); the chunk's logits agree with the cut run's to float rounding (the other layers see
+    the tokens in other batches)."""
+    runner = ModelRunner(model, 8)
+    if not runner.snapshots_in_step:
+        pytest.skip("the KDA layers' native prefill is not available here")
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (100, 70, 9)]
+    cut_at = [96, 64, 0]  # the third sequence runs whole
+    a = [runner.allocate() for _ in prompts]
+    logits = runner.step(a, prompts, snap_at=cut_at)
+    inside = runner.step_snapshots
+    assert sorted(inside) == sorted(a[:2])
+    b = [runner.allocate() for _ in prompts]
+    runner.step(b[:2], [p[:o] for p, o in zip(prompts[:2], cut_at)])
+    want = {s: runner.pool.kda_snapshot(s) for s in b[:2]}
+    ref = runner.step(b, [p[o:] for p, o in zip(prompts[:2], cut_at)] + [prompts[2]])
+    for sa, sb in zip(a[:2], b[:2]):
+        for got, exp in zip([*inside[sa][0], *inside[sa][1]], [*want[sb][0], *want[sb][1]]):
+            assert torch.equal(got, exp)
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="snap_at"):
+        runner.step([runner.allocate()], [prompts[2]], snap_at=[9])  # not inside the chunk

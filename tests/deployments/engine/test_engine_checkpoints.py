@@ -81,11 +81,14 @@ def test_resume_from_a_cached_prefix_equals_a_cold_run(model, tok):
     engine = engine_for(model, tok)
     computed = []
     step = engine.runner.step
-    engine.runner.step = lambda slots, cs: (computed.extend(len(c) for c in cs), step(slots, cs))[1]
+    engine.runner.step = lambda slots, cs, **kw: (computed.extend(len(c) for c in cs), step(slots, cs, **kw))[1]
     warm = run_one(engine, GenerationRequest("b", prompt, 12, ignore_eos=True), cached_prefix=state, checkpoint_plan=PLAN)
     assert [t for o in warm for t in o.new_token_ids] == [t for o in cold for t in o.new_token_ids]
     assert warm[-1].num_cached_tokens == 32 and cold[-1].num_cached_tokens == 0
-    assert computed[:2] == [8, 5]  # only the rest of the prompt, cut at its last full block (40)
+    # only the rest of the prompt: one chunk with the KDA state at its last full block (40) taken inside it, or
+    # (without the native prefill) a chunk cut to end there and the tail
+    assert computed[:2] == ([13, 1] if engine.runner.snapshots_in_step else [8, 5])
+    assert [c.position for o in warm for c in o.checkpoints if c.kda is not None][:1] == [40]
     assert engine.stats.prompt_tokens_computed == 13
     # blocks already in the cache are not cut again
     assert min(c.block_start for o in warm for c in o.checkpoints) >= 32
@@ -161,3 +164,29 @@ def test_extra_checkpoint_positions_cut_a_kda_checkpoint_there(model, tok):
     assert [c.position for o in outs for c in o.checkpoints if c.kda is not None] == [16, 40]
     with pytest.raises(ValueError, match="extra checkpoint positions"):
         CheckpointPlan(extra=(-1,))
+
+
+@pytest.mark.parametrize("length", [45, 60, 90])  # last full blocks 40, 56, 88: not periodic boundaries
+def test_the_prompt_s_checkpoint_taken_inside_its_chunk_equals_a_chunk_cut_there(model, tok, length, monkeypatch):
+    """With the KDA layers' native prefill (ModelRunner.snapshots_in_step) the chunk that reaches a prompt's last
+    full block runs on to the prompt's end and the state at the block is copied out in the step: the same
+    checkpoints (positions, blocks, states) and tokens as the reference, a chunk cut at the block, in fewer steps."""
+    req = GenerationRequest("c", ids(length, 4), 6, ignore_eos=True)
+
+    def run(in_step: bool):
+        monkeypatch.setattr(ModelRunner, "snapshots_in_step", property(lambda self: in_step))
+        engine = engine_for(model, tok)
+        outs = run_one(engine, req, checkpoint_plan=PLAN)
+        return outs, engine.stats.steps
+
+    fast, fast_steps = run(True)
+    ref, ref_steps = run(False)
+    assert [t for o in fast for t in o.new_token_ids] == [t for o in ref for t in o.new_token_ids]
+    assert fast_steps == ref_steps - 1  # the prompt's tail no longer has a step of its own
+    got = [c for o in fast for c in o.checkpoints]
+    want = [c for o in ref for c in o.checkpoints]
+    assert [(c.position, c.block_start, c.tokens, c.kda is None) for c in got] == \
+        [(c.position, c.block_start, c.tokens, c.kda is None) for c in want]
+    for a, b in zip(got, want):
+        for x, y in zip([*a.mla, *(a.kda or []), *(a.conv or [])], [*b.mla, *(b.kda or []), *(b.conv or [])]):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)

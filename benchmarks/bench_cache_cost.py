@@ -1,12 +1,11 @@
 """What the prefix / KDA-state cache costs a burst of short requests under `deltaserve up`.
 
-With the cache on (the default), every prefill replica looks up the longest cached prefix of each prompt, cuts
-the prompt's chunks on its last full block, and writes the prompt's MLA blocks and a KDA checkpoint at that
-block (about 0.45 MB for k3-tiny) to its LRU and Redis; every decode replica snapshots the KDA state at block
-boundaries and writes the turn's last one when the stream ends. With ``--no-cache`` none of that runs. Both
-settings here have a Redis for the tenants' rate limits and the usage ledger (the cache's local redis-server in
-one, a redis-server this benchmark starts given as ``DELTASERVE_REDIS_URL`` in the other), so the cache is the
-only difference.
+With the cache on (the default), every prefill replica looks up the longest cached prefix of each prompt, takes
+a KDA checkpoint at the prompt's last full block, and writes the prompt's MLA blocks and that checkpoint (about
+0.45 MB for k3-tiny) to its LRU and Redis; every decode replica snapshots the KDA state at block boundaries and
+writes the turn's last one when the stream ends. With ``--no-cache`` none of that runs. Both settings here have a
+Redis for the tenants' rate limits and the usage ledger (the cache's local redis-server in one, a redis-server
+this benchmark starts given as ``DELTASERVE_REDIS_URL`` in the other), so the cache is the only difference.
 
 `deltaserve up` is started alternately each way, ``--reps`` starts of each; per start a warm-up wave, then
 ``--waves`` waves of 16 concurrent streaming requests of 100-token prompts x 64 new tokens, greedy,
@@ -14,10 +13,11 @@ only difference.
 (and of this client) by component; medians over the waves of each setting.
 
 Before the platform starts, the same burst in this process on one ``Engine`` (the standard pool's token budget,
-one torch thread): prefill only, with the replicas' ``CheckpointPlan`` and without, alternated ``--reps`` times
-after a warm-up round. Per step: prompt tokens computed and requests finished (their first token), and when the
-median request finished: the step on which the cache's split of each prompt at its last full block puts the
-first tokens.
+one torch thread), prefill only, three ways in rotating order, ``--reps`` rounds after a warm-up round: with the
+replicas' ``CheckpointPlan`` and the prompt's KDA state taken inside its chunk (what the replicas run), with the
+plan and each prompt's chunk cut at its last full block (what runs without the KDA layers' native prefill, and
+what ran before), and without a plan. Per step: prompt tokens computed and requests finished (their first
+token), and when the median request finished.
 
 Writes ``benchmarks/results/cache_cost.{json,md}``.
 
@@ -47,6 +47,9 @@ COMMAND = ".venv/bin/python benchmarks/bench_cache_cost.py"
 MODES = ("cache on", "cache off")
 
 
+ENGINE_MODES = ("plan, state inside the chunk", "plan, chunk cut at the block", "no plan")
+
+
 def engine_bursts(args, text: str) -> dict[str, list[dict]]:
     """The in-process comparison (module docstring): per setting, each burst's steps and median finish time."""
     import torch
@@ -56,20 +59,23 @@ def engine_bursts(args, text: str) -> dict[str, list[dict]]:
     from model import load_model, load_tokenizer
     from model.runner import ModelRunner
 
+    class CutRunner(ModelRunner):
+        snapshots_in_step = False  # the engine then cuts each prompt's chunk at its last full block
+
     torch.set_num_threads(1)
     config = PlatformConfig()
     std = config.pools["standard"]
     model, tok = load_model(config.model), load_tokenizer(config.model)
     plan = CheckpointPlan(config.cache.block_size, config.cache.checkpoint_every)
-    out: dict[str, list[dict]] = {m: [] for m in MODES}
+    out: dict[str, list[dict]] = {m: [] for m in ENGINE_MODES}
     for rep in range(args.reps + 1):  # the first round warms up
-        for mode in (MODES if rep % 2 == 0 else MODES[::-1]):
-            engine = Engine(ModelRunner(model, config.num_slots), tok,
-                            EngineConfig(num_slots=config.num_slots, max_num_seqs=std.max_num_seqs,
-                                         max_num_batched_tokens=std.max_num_batched_tokens))
-            for j, prompt in enumerate(burst_texts(text, f"engine {mode} {rep}", rep * 17, args.streams, args.prompt_chars)):
+        for mode in ENGINE_MODES[rep % 3:] + ENGINE_MODES[:rep % 3]:
+            runner = (CutRunner if mode == ENGINE_MODES[1] else ModelRunner)(model, config.num_slots)
+            engine = Engine(runner, tok, EngineConfig(num_slots=config.num_slots, max_num_seqs=std.max_num_seqs,
+                                                      max_num_batched_tokens=std.max_num_batched_tokens))
+            for j, prompt in enumerate(burst_texts(text, f"engine {rep}", rep * 17, args.streams, args.prompt_chars)):
                 engine.add_request(GenerationRequest(f"r{j}", tok.encode(prompt), 1), keep_state_on_finish=True,
-                                   continues=True, checkpoint_plan=plan if mode == "cache on" else None)
+                                   continues=True, checkpoint_plan=None if mode == ENGINE_MODES[2] else plan)
             steps, finish, done, t0 = [], [], 0, time.perf_counter()
             while done < args.streams:
                 before = engine.stats.prompt_tokens_computed
@@ -98,7 +104,7 @@ def main() -> int:
     waves: dict[str, list[dict]] = {m: [] for m in MODES}
     t_start = time.monotonic()
     bursts = engine_bursts(args, text)
-    for mode in MODES:
+    for mode in ENGINE_MODES:
         for b in bursts[mode]:
             print(f"engine, {mode}: steps (prompt tokens, finished) {[(x['prompt_tokens'], x['finished']) for x in b['steps']]}, "
                   f"median request finished at {b['median_finish_s']:.3f} s", flush=True)
@@ -144,14 +150,15 @@ def main() -> int:
     cpu_table = "\n".join(f"| {c} | {1e3 * med_cpu(MODES[0], c):.0f} | {1e3 * med_cpu(MODES[1], c):.0f} |"
                           for c in components if max(med_cpu(MODES[0], c), med_cpu(MODES[1], c)) >= 0.005)
     tokens = args.streams * args.max_tokens
-    engine_med = {m: statistics.median(b["median_finish_s"] for b in bursts[m]) for m in MODES}
-    ratios["engine_median_finish_s"] = engine_med[MODES[0]] / engine_med[MODES[1]]
+    engine_med = {m: statistics.median(b["median_finish_s"] for b in bursts[m]) for m in ENGINE_MODES}
+    ratios["engine_inside_vs_no_plan"] = engine_med[ENGINE_MODES[0]] / engine_med[ENGINE_MODES[2]]
+    ratios["engine_cut_vs_no_plan"] = engine_med[ENGINE_MODES[1]] / engine_med[ENGINE_MODES[2]]
 
     def steps_cell(steps: list[dict]) -> str:
         return ", ".join(f"{x['prompt_tokens']}/{x['finished']}" for x in steps)
 
     engine_table = "\n".join(f"| {m} | {steps_cell(b['steps'])} | {b['median_finish_s']:.3f} |"
-                              for m in MODES for b in bursts[m])
+                              for m in ENGINE_MODES for b in bursts[m])
     notes = "\n".join([
         f"`deltaserve up` on its defaults (k3-tiny), {args.reps} starts of each setting interleaved, {args.waves} timed "
         f"waves per start after a warm-up wave; each wave {args.streams} concurrent streams of {args.prompt_chars}-"
@@ -163,16 +170,18 @@ def main() -> int:
         f"{time.monotonic() - t_start:.0f} s on the machine's 2 shared cores: compare the settings, not absolute figures.",
         "",
         f"In process, one Engine, the same burst (prefill only): the median request has its first token after "
-        f"{engine_med[MODES[0]]:.3f} s with the replicas' CheckpointPlan vs {engine_med[MODES[1]]:.3f} s without "
-        f"(**{ratios['engine_median_finish_s']:.2f}x**). Per step, prompt tokens computed / requests finished:",
+        f"{engine_med[ENGINE_MODES[0]]:.3f} s with the plan and the prompt's KDA state taken inside its chunk, "
+        f"{engine_med[ENGINE_MODES[1]]:.3f} s with the chunk cut at the prompt's last full block and "
+        f"{engine_med[ENGINE_MODES[2]]:.3f} s without a plan (**{ratios['engine_inside_vs_no_plan']:.2f}x** and "
+        f"**{ratios['engine_cut_vs_no_plan']:.2f}x** the no-plan time). Per step, prompt tokens computed / requests "
+        "finished:",
         "",
         "| setting | steps | median request finished, s |",
         "|---|---|---|",
         engine_table,
         "",
-        "With the plan each prompt is cut at its last full block (its KDA checkpoint is taken there), so its last "
-        "few tokens need a step of their own: no request finishes in the first step, and the tails wait behind the "
-        "other prompts' chunks in the next.",
+        "With the chunk cut at the prompt's last full block, each prompt's last few tokens need a step of their own: "
+        "no request finishes in the first step, and the tails wait behind the other prompts' chunks in the next.",
         "",
         "CPU ms per wave by component (median over the waves):",
         "",

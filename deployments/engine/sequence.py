@@ -66,7 +66,9 @@ class CheckpointPlan:
     request starts (its prompt), at the blocks ending before each ``extra`` position, and,
     while decoding, at every boundary, the latest held back and reported when the sequence
     finishes (the last full block of the turn). Prefill chunks are cut so they end on those
-    positions.
+    positions, except at the prompt's last full block when the runner takes KDA states inside a
+    chunk (``ModelRunner.snapshots_in_step``): the chunk that crosses it runs on, and its state there
+    is copied out in the step.
     """
 
     block_size: int = 32

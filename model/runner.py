@@ -84,7 +84,8 @@ class ModelRunner:
         self._free = list(range(num_slots - 1, -1, -1))
         # Build (or load from the disk cache) the native CPU kernels now, not inside the first step.
         self.native_kernels = native_kernels() if self.model.device.type == "cpu" else {}
-        self.step_snapshots: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # the last step's (step)
+        # the KDA states and conv tails the last step took inside its chunks (step's snap_at), by slot
+        self.step_snapshots: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
     # -- slots ----------------------------------------------------------------
     @property
@@ -142,7 +143,7 @@ class ModelRunner:
         for s, c in zip(slots, chunks):
             self.lengths[s] += len(c)
         n_kda = len(self.pool.kda_state)
-        self.step_snapshots: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self.step_snapshots = {}
         for slot, by_layer in layout.snapshots.items():
             if sorted(by_layer) != list(range(n_kda)):
                 raise RuntimeError(f"slot {slot}: KDA states inside the chunk from layers {sorted(by_layer)} of {n_kda} (a bug)")

@@ -82,9 +82,10 @@ def test_codec_round_trips_empty_strided_and_half_tensors_exactly():
 
 def test_kda_states_taken_inside_a_chunk_equal_the_states_of_a_chunk_cut_there(model):
     """``ModelRunner.step(..., snap_at=...)``: each KDA layer's state and conv tails after ``snap_at[i]`` tokens of
-    chunk i, copied out during the step, are bit for bit those after a step that ends there (the native kernel
-    runs token after token); the chunk's logits agree with the cut run's to float rounding (the other layers see
-    the tokens in other batches)."""
+    chunk i, copied out during the step, are those after a step that ends there (the native kernel runs token
+    after token and keeps the states in the pool between its two calls); states and logits agree to float
+    rounding, as the other layers see the tokens in other batches (on this machine's BLAS the states are
+    bit for bit equal)."""
     runner = ModelRunner(model, 8)
     if not runner.snapshots_in_step:
         pytest.skip("the KDA layers' native prefill is not available here")
@@ -101,7 +102,7 @@ def test_kda_states_taken_inside_a_chunk_equal_the_states_of_a_chunk_cut_there(m
     ref = runner.step(b, [p[o:] for p, o in zip(prompts[:2], cut_at)] + [prompts[2]])
     for sa, sb in zip(a[:2], b[:2]):
         for got, exp in zip([*inside[sa][0], *inside[sa][1]], [*want[sb][0], *want[sb][1]]):
-            assert torch.equal(got, exp)
+            torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="snap_at"):
         runner.step([runner.allocate()], [prompts[2]], snap_at=[9])  # not inside the chunk

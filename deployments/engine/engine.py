@@ -391,6 +391,9 @@ class Engine:
         if inside is not None and full > seq.kda_checkpointed:
             # the step crossed the prompt's last full block and took its state there (Sequence.snapshot_offset); the
             # chunk ended past it, within the same block
+            if full != seq.prompt_block_end:  # a state filed under another block's hash would poison the cache
+                raise RuntimeError(f"request {seq.request_id}: KDA state taken at {seq.prompt_block_end}, checkpoint "
+                                   f"at {full} (a bug)")
             kda, conv = inside
             seq.held_kda, seq.kda_checkpointed = None, full
         elif seq.num_computed == full and full > seq.kda_checkpointed:

@@ -347,7 +347,7 @@ class Sequence:
         return self.num_computed >= self.num_prompt_tokens
 
     @property
-    def _last_full(self) -> int:
+    def prompt_block_end(self) -> int:
         """The last full block of the tokens known at start: where the prompt's KDA checkpoint goes."""
         plan = self.checkpoint_plan
         assert plan is not None
@@ -362,7 +362,7 @@ class Sequence:
             return self.num_uncomputed
         p = self.num_computed
         nxt = (p // plan.interval + 1) * plan.interval
-        last_full = self._last_full
+        last_full = self.prompt_block_end
         stops = [e // plan.block_size * plan.block_size for e in plan.extra]
         if not self.snapshot_in_step:
             stops.append(last_full)
@@ -376,7 +376,7 @@ class Sequence:
         crosses it and its KDA state is taken in the step (:attr:`snapshot_in_step`), else 0."""
         if not self.snapshot_in_step or self.checkpoint_plan is None:
             return 0
-        p, last_full = self.num_computed, self._last_full
+        p, last_full = self.num_computed, self.prompt_block_end
         return last_full - p if p < last_full < p + n and last_full > self.kda_checkpointed else 0
 
     @property

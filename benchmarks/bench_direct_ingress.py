@@ -50,12 +50,12 @@ def direct_env() -> tuple[dict[str, str], int]:
             "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(grpc), "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(grpc + 1)}, http
 
 
-def bench_tenant(prefix: str) -> tuple[Path, str]:
-    """A temp folder holding a tenants file with one tenant on the standard pool whose limits a benchmark never
-    reaches: (the folder, the tenant's key)."""
+def bench_tenant(prefix: str, pools: tuple[str, ...] = ("standard",)) -> tuple[Path, str]:
+    """A temp folder holding a tenants file with one tenant on ``pools`` whose limits a benchmark never reaches:
+    (the folder, the tenant's key)."""
     tmp = Path(tempfile.mkdtemp(prefix=prefix))
     reg = TenantRegistry()
-    _, key = reg.add("bench", pools=["standard"], rpm=1_000_000, tpm=1_000_000_000, max_context=8192)
+    _, key = reg.add("bench", pools=list(pools), rpm=1_000_000, tpm=1_000_000_000, max_context=8192)
     reg.save(tmp / "tenants.yaml")
     return tmp, key
 

@@ -62,6 +62,16 @@ class PoolConfig(_Strict):
                                  "matching number of nice levels (0.25: 5) below its process's, at most 19, and "
                                  "under SCHED_IDLE where that is not low enough (Ray's workers start at nice 15: "
                                  "see docs/architecture.md). 1 = no limit")
+    local_prefill_tokens: int = Field(0, ge=0, description="a prompt of at most this many tokens, sent while no "
+                                      "other request of the pool is in flight through the ingress, skips the prefill "
+                                      "deployment: the decode replica that streams it computes the prompt itself, "
+                                      "with no prefill hop, no state handoff and no cache lookup (a prompt this short "
+                                      "is cheaper to compute than to move): a lone request's first token comes "
+                                      "sooner. Under load a prefill replica beside a decoding one is faster (a decode "
+                                      "step takes prompt tokens only within prefill_share), and where replicas share "
+                                      "cores the head of a burst decoding early slows the burst's prefill; longer "
+                                      "prompts and every failover go through prefill. 0 = every prompt through "
+                                      "prefill (docs/architecture.md)")
     request_timeout_s: float = Field(600.0, gt=0, description="end-to-end deadline of one request in this pool, "
                                      "failovers included (the frontend enforces it; past it: 504)")
     max_queued_requests: int = Field(64, gt=0, description="requests an ingress replica holds waiting for a free "
@@ -180,8 +190,10 @@ def _default_pools() -> dict[str, PoolConfig]:
                                stream_interval_ms=100, prefill_gather_wait_ms=100, prefill_gather_gap_ms=30,
                                decode_gather_wait_ms=60, decode_gather_gap_ms=10,
                                price=PriceConfig(input=0.60, cached_input=0.15, output=2.50)),
+        # highspeed: a short prompt with nothing else of the pool in flight goes straight to decode (a lone request's
+        # TTFT; benchmarks/results/local_prefill_highspeed.md); standard, tuned for bursts, always prefills on prefill.
         "highspeed": PoolConfig(max_num_seqs=4, max_num_batched_tokens=256, ttft_slo_ms=1000, tpot_slo_ms=100,
-                                stream_interval_ms=20, request_timeout_s=300,
+                                stream_interval_ms=20, request_timeout_s=300, local_prefill_tokens=256,
                                 # the premium tier: fewer sequences per replica, so each token costs more hardware
                                 price=PriceConfig(input=2.40, cached_input=0.60, output=10.00)),
     }

@@ -144,12 +144,19 @@ class Frontend:
         observers: list[RequestObserver] | None = None,
         prices: Mapping[str, Price] | None = None,
         affinity_block_size: int | None = None,
+        local_prefill_tokens: Mapping[str, int] | None = None,
     ) -> None:
         """``request_timeout_s``: each pool's end-to-end deadline, seconds (a pool not named:
         :data:`~deployments.gateway.protocol.DEFAULT_REQUEST_TIMEOUT_S`). ``prices``: each pool's
         price table (``usage.cost``); a pool not named is not priced (no ``cost`` in its usage).
         ``affinity_block_size``: the cache's block size, when prefill requests carry cache-affinity
-        routing keys (their prefix key covers one block); None: they carry none."""
+        routing keys (their prefix key covers one block); None: they carry none.
+        ``local_prefill_tokens``: per pool, the longest prompt that may skip the prefill hop: when no
+        other stream of the pool is in flight through this frontend, the decode replica computes it and
+        streams from its first token (a pool not named: every prompt goes through prefill). Only then:
+        a decode replica that is decoding takes prompt tokens only within its ``prefill_share`` of each
+        step, so a burst of prompts is prefilled faster by a prefill replica beside it. A failover always
+        goes through prefill (it resumes from the cache)."""
         self.model_name = model_name
         self.pools = list(pools)
         self.tokenizer = tokenizer
@@ -166,6 +173,8 @@ class Frontend:
         self.observers: list[RequestObserver] = list(observers or [])
         self.prices: dict[str, Price] = dict(prices or {})
         self.affinity_block_size = affinity_block_size
+        self.local_prefill_tokens: dict[str, int] = dict(local_prefill_tokens or {})
+        self._in_flight: dict[str, int] = {}  # choices of each pool between their start and their end
 
     def _observe(self, record: RequestRecord) -> None:
         """Hand ``record`` to every observer; an observer that fails is logged, never the request's error."""
@@ -419,7 +428,20 @@ class Frontend:
 
     async def _choice(self, inp: CompletionInput, plan: _Plan, index: int, carrier: dict, span, produced: list[int],
                       t0: float, record: RequestRecord) -> AsyncIterator[TextDelta | Finished]:
-        """One choice of the request, with failover, inside the request's deadline."""
+        """One choice of the request, with failover, inside the request's deadline; counted in flight meanwhile."""
+        alone = not self._in_flight.get(plan.pool)
+        self._in_flight[plan.pool] = self._in_flight.get(plan.pool, 0) + 1
+        try:
+            async for ev in self._attempts(inp, plan, index, carrier, span, produced, t0, record,
+                                           local_ok=alone and len(plan.ids) <= self.local_prefill_tokens.get(plan.pool, 0)):
+                yield ev
+        finally:
+            self._in_flight[plan.pool] -= 1
+
+    async def _attempts(self, inp: CompletionInput, plan: _Plan, index: int, carrier: dict, span, produced: list[int],
+                        t0: float, record: RequestRecord, *, local_ok: bool) -> AsyncIterator[TextDelta | Finished]:
+        """The choice's attempts: the first through the decode replica alone when ``local_ok`` (a short prompt,
+        nothing else of its pool in flight), else and after a failure through prefill, then decode."""
         ids, rid, n_prompt = plan.ids, plan.request_id, len(plan.ids)
         n_out, t_first, replica, reason, cached = 0, None, "", "length", None
         emitted: list[int] = []  # output tokens the client has
@@ -432,32 +454,39 @@ class Frontend:
                                   replay_ids=tuple(emitted), checkpoint_at=plan.checkpoint_at,
                                   # a failover goes wherever Serve's default choice sends it, never back by affinity
                                   routing_keys=() if failures else plan.routing_keys)
+            local = local_ok and not failures  # the decode replica computes the prompt (no prefill hop, no handoff)
             try:
-                result = await self._hop(plan, self.backend.prefill(plan.pool, preq))
-                if record.queue_s is None and result.queue_s is not None:
-                    # arrival -> the replica's first step with it: all but the replica's time after that step began
-                    record.queue_s = max(0.0, time.monotonic() - t0 - (result.prefill_s - result.queue_s))
-                cached = result.cached_tokens if cached is None else cached
-                if index == 0:
-                    record.cached_tokens = cached  # what a failure is charged at (total_usage counts choice 0's)
-                first_lp = self._logprobs((result.first_logprob,)) if want_lp and result.first_logprob else ()
-                if result.finished:
+                if local:
+                    cached = 0
+                    if index == 0:
+                        record.cached_tokens = cached
+                    stream = self.backend.decode(plan.pool, DecodeRequest(preq, None, None, carrier))
+                else:
+                    result = await self._hop(plan, self.backend.prefill(plan.pool, preq))
+                    if record.queue_s is None and result.queue_s is not None:
+                        # arrival -> the replica's first step with it: all but the replica's time after that step began
+                        record.queue_s = max(0.0, time.monotonic() - t0 - (result.prefill_s - result.queue_s))
+                    cached = result.cached_tokens if cached is None else cached
+                    if index == 0:
+                        record.cached_tokens = cached  # what a failure is charged at (total_usage counts choice 0's)
+                    first_lp = self._logprobs((result.first_logprob,)) if want_lp and result.first_logprob else ()
+                    if result.finished:
+                        t_first = t_first or time.monotonic()
+                        replica, reason = result.replica, result.finish_reason
+                        n_out = len(emitted) + (reason == "length")
+                        produced[index] = n_out
+                        if result.text or reason == "length":
+                            yield TextDelta(result.text, (result.first_token,) if reason == "length" else (), rid,
+                                            n_prompt, index, first_lp if reason == "length" else ())
+                        break
+                    # the first token goes out now (time to first token = prefill); decode continues after it
                     t_first = t_first or time.monotonic()
-                    replica, reason = result.replica, result.finish_reason
-                    n_out = len(emitted) + (reason == "length")
+                    emitted.append(result.first_token)
+                    n_out, replica = len(emitted), result.replica
                     produced[index] = n_out
-                    if result.text or reason == "length":
-                        yield TextDelta(result.text, (result.first_token,) if reason == "length" else (), rid, n_prompt,
-                                        index, first_lp if reason == "length" else ())
-                    break
-                # the first token goes out now (time to first token = prefill); decode continues after it
-                t_first = t_first or time.monotonic()
-                emitted.append(result.first_token)
-                n_out, replica = len(emitted), result.replica
-                produced[index] = n_out
-                yield TextDelta(result.text, (result.first_token,), rid, n_prompt, index, first_lp)
-                stream = self.backend.decode(plan.pool, DecodeRequest(preq, result.first_token, result.state, carrier,
-                                                                      result.handoff_key))
+                    yield TextDelta(result.text, (result.first_token,), rid, n_prompt, index, first_lp)
+                    stream = self.backend.decode(plan.pool, DecodeRequest(preq, result.first_token, result.state, carrier,
+                                                                          result.handoff_key))
                 try:
                     while True:
                         try:
@@ -468,6 +497,7 @@ class Frontend:
                         produced[index] = n_out
                         emitted.extend(chunk.token_ids)
                         if chunk.text or chunk.token_ids:
+                            t_first = t_first or time.monotonic()  # a local prefill's first token comes in a chunk
                             yield TextDelta(chunk.text, chunk.token_ids, rid, n_prompt, index,
                                             self._logprobs(chunk.logprobs) if want_lp else ())
                         if chunk.finished:

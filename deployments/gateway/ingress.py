@@ -58,6 +58,7 @@ class Ingress(IngressRoutes, GrpcInferenceMixin):
             observers=[RequestMetrics.from_config(config), self.ledger],
             prices=prices_of(config.pools),
             affinity_block_size=config.cache.block_size if request_router_options(config) else None,
+            local_prefill_tokens={pool: pc.local_prefill_tokens for pool, pc in config.pools.items()},
         )
         self.prefill, self.decode = prefill, decode
         self.cache_admin = cache_admin  # bound here so it is part of the application

@@ -11,7 +11,9 @@ Ray stays here. Every hop is bounded in time (never an ``await`` without a timeo
   request to it);
 - decode: a replica likewise within ``queue_timeout_s`` when none is live; while one is, within the
   request's deadline (the client already has its first token: a started stream is not shed for
-  capacity); then each chunk within ``stream_idle_timeout_s`` of the last.
+  capacity); then each chunk within ``stream_idle_timeout_s`` of the last. A stream whose prompt the
+  decode replica computes itself (no first token yet, ``DecodeRequest.first_token`` None) is shed
+  after ``queue_timeout_s`` like a prefill.
 
 A replica that dies, cannot be reached, reports itself broken (a ``ReplicaFailed`` raised in it)
 or goes silent mid-stream becomes :class:`~deployments.gateway.errors.ReplicaFailed`, so the
@@ -147,8 +149,9 @@ class ServeBackend:
                 await _assigned(stream, f"decode-{pool}", t.queue_s, cancel=False)
             except Overloaded:
                 # the client already has its first token: while a decode replica is live, the stream waits for
-                # it within the request's deadline instead of being shed; with none live it is a 503 now
-                if not _has_running_replica(f"decode-{pool}"):
+                # it within the request's deadline instead of being shed; with none live, or before the first
+                # token (the prompt computed on the decode replica), it is a 503 now
+                if req.first_token is None or not _has_running_replica(f"decode-{pool}"):
                     raise  # the finally below cancels the stream
                 await _assigned(stream, f"decode-{pool}", max(t.prefill_s - t.queue_s, 0.001))
             while True:

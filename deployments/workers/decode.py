@@ -1,8 +1,11 @@
 """Decode deployment: continuous batching over handed-off states; streams tokens.
 
-A decode replica never runs a prompt forward: every request arrives with the state after its
-prompt (from a prefill replica: bytes, a reference into Ray's object store, or a key in the
-cache service) and the first sampled token; the engine only decodes. A stream's tokens go out in chunks, one per
+A request arrives with the state after its prompt (from a prefill replica: bytes, a reference
+into Ray's object store, or a key in the cache service) and the first sampled token, and the
+engine decodes from there; or, for a short prompt (``PoolConfig.local_prefill_tokens``), with
+neither: the engine computes the prompt itself, in steps shared with the running streams under
+the pool's ``prefill_share``, and the stream's first chunk carries the first token (no prefill
+hop, no state handoff; see docs/architecture.md). A stream's tokens go out in chunks, one per
 ``PoolConfig.stream_interval_ms`` at most (the first at once; see
 :class:`~deployments.engine.stream_batcher.StreamBatcher`). With the cache on it cuts MLA
 blocks as it goes and KDA checkpoints every ``checkpoint_every`` blocks and at the end of
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from dataclasses import replace
 from typing import AsyncIterator
 
 from deployments.engine import EngineBroken, EngineStepError, GenerationRequest
@@ -62,27 +66,31 @@ class Decode(EngineReplica):
             "deltaserve.replayed_tokens": len(p.replay_ids)})
         n, t0 = 0, time.perf_counter()
         self.signals.arrived()
+        local = req.first_token is None  # the prompt is computed here (module docstring)
+        span.set_attribute("deltaserve.local_prefill", local)
         try:
-            data = req.state
-            if handoff.is_state_ref(data):
-                data = await handoff.get_state(data, p.request_id)
-            elif data is None:
-                data = await asyncio.to_thread(self.cache.take_handoff, p.tenant, req.handoff_key) if self.cache else None
-                if data is None:
-                    raise HandoffLost(f"handoff of request {p.request_id} is not in the cache (expired, evicted or Redis down)")
-            state = SequenceState.from_bytes(data, expected_fingerprint=self.fingerprint)
             key = cache_key(self.cache, p)
             recorder = self.cache.recorder(key, list(p.prompt_ids) + list(p.replay_ids)) if key is not None else None
             greq = GenerationRequest(p.request_id, list(p.prompt_ids), p.max_tokens, p.sampling, p.stop,
                                      p.stop_token_ids, p.ignore_eos)
-            outs = self.async_engine.generate(greq, coalesce=True, stream_interval_s=self.stream_interval_s,
-                                              resume_state=state, first_token=req.first_token,
-                                              first_token_reported=True,
-                                              replay_ids=p.replay_ids, checkpoint_plan=self.plan if recorder else None)
+            if local:
+                # as a prefill replica would: the prompt's checkpoints (the system prompt's end too) go to the cache
+                outs = self.async_engine.generate(greq, coalesce=True, stream_interval_s=self.stream_interval_s,
+                                                  replay_ids=p.replay_ids,
+                                                  checkpoint_plan=replace(self.plan, extra=p.checkpoint_at) if recorder else None)
+            else:
+                state = await self._handed_off_state(req)
+                outs = self.async_engine.generate(greq, coalesce=True, stream_interval_s=self.stream_interval_s,
+                                                  resume_state=state, first_token=req.first_token,
+                                                  first_token_reported=True,
+                                                  replay_ids=p.replay_ids, checkpoint_plan=self.plan if recorder else None)
             with self.expert_pool_span(span):
                 async with contextlib.aclosing(outs):
                     try:
                         async for out in outs:
+                            if local and n == 0 and out.num_output_tokens:  # the first token: TPOT counts from here
+                                self.signals.ttft(time.perf_counter() - t0)
+                                t0 = time.perf_counter()
                             n = out.num_output_tokens
                             if recorder is not None:
                                 recorder.add(out.checkpoints)
@@ -99,3 +107,15 @@ class Decode(EngineReplica):
         finally:
             span.set_attribute("deltaserve.completion_tokens", n)
             span.end()
+
+    async def _handed_off_state(self, req: DecodeRequest) -> SequenceState:
+        """The state prefill handed off: fetched from the object store or the cache service, checked against this
+        replica's model. HandoffLost when the cache no longer holds it."""
+        p, data = req.prefill, req.state
+        if handoff.is_state_ref(data):
+            data = await handoff.get_state(data, p.request_id)
+        elif data is None:
+            data = await asyncio.to_thread(self.cache.take_handoff, p.tenant, req.handoff_key) if self.cache else None
+            if data is None:
+                raise HandoffLost(f"handoff of request {p.request_id} is not in the cache (expired, evicted or Redis down)")
+        return SequenceState.from_bytes(data, expected_fingerprint=self.fingerprint)

@@ -54,9 +54,12 @@ class PrefillResult:
 @dataclass(frozen=True, slots=True)
 class DecodeRequest:
     prefill: PrefillRequest
-    first_token: int  # already delivered to the client with PrefillResult.text: decode's chunks start after it
+    first_token: int | None  # already delivered to the client with PrefillResult.text: decode's chunks start after
+    #                          it; None: no prefill ran, the decode replica computes the prompt itself (a short prompt,
+    #                          PoolConfig.local_prefill_tokens) and its first chunk holds the first token
     state: Any  # the direct handoff (PrefillResult.state: bytes or an object-store reference; in the ingress possibly
-    #             a Future of them, which ServeBackend.decode awaits before the call), or None with handoff_key
+    #             a Future of them, which ServeBackend.decode awaits before the call), or None with handoff_key or
+    #             without first_token
     trace: dict = field(default_factory=dict)
     handoff_key: str | None = None
 

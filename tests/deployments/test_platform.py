@@ -284,15 +284,31 @@ def test_grpc_errors(platform, key, model, code):
     assert e.value.code() == code
 
 
-def test_decode_replicas_never_run_a_prompt_forward(platform):
+def test_only_a_lone_short_highspeed_prompt_is_prefilled_on_decode(platform, reference):
+    """Standard (``local_prefill_tokens`` 0) always prefills on prefill: its decode replica never runs a prompt
+    forward. Highspeed (256): a short prompt with nothing else of the pool in flight goes straight to
+    decode-highspeed through Serve (``DecodeRequest.first_token`` None), one over the threshold through prefill;
+    both stream what the model alone generates."""
     from ray import serve
 
-    _client(platform).completions.create(model="tiny", prompt="x" * 40, max_tokens=4)
-    for pool in ("standard", "highspeed"):
-        decode = serve.get_deployment_handle(f"decode-{pool}", app_name="deltaserve")
-        prefill = serve.get_deployment_handle(f"prefill-{pool}", app_name="deltaserve")
-        assert decode.stats.remote().result()["prompt_tokens_computed"] == 0
-    assert serve.get_deployment_handle("prefill-standard", app_name="deltaserve").stats.remote().result()["prompt_tokens_computed"] >= 40
+    def computed(kind: str, pool: str) -> int:
+        h = serve.get_deployment_handle(f"{kind}-{pool}", app_name="deltaserve")
+        return h.stats.remote().result()["prompt_tokens_computed"]
+
+    assert platform["config"].pools["highspeed"].local_prefill_tokens == 256
+    assert platform["config"].pools["standard"].local_prefill_tokens == 0
+    client = _client(platform)
+    client.completions.create(model="tiny", prompt="x" * 40, max_tokens=4)
+    assert computed("decode", "standard") == 0
+    assert computed("prefill", "standard") >= 40
+    for prompt, local in (("def f(x):\n    return", True), ("# a long comment line\n" * 14, False)):
+        before = {k: computed(k, "highspeed") for k in ("prefill", "decode")}
+        out = client.completions.create(model="tiny-highspeed", prompt=prompt, max_tokens=12, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        n = out.usage.prompt_tokens
+        assert (n <= 256) == local and out.choices[0].text == _text(reference(prompt, 12))
+        grew = {k: computed(k, "highspeed") - before[k] for k in before}
+        assert grew == ({"prefill": 0, "decode": n} if local else {"prefill": n, "decode": 0}), (local, grew)
 
 
 def test_concurrent_streams_match_alone(platform, reference):

@@ -86,3 +86,10 @@ def combine_cpu(y: torch.Tensor, eps: float | None, z: torch.Tensor | None, act:
     LIB.call("moe_combine_f32", T, L, S, p(y), -1.0 if eps is None else float(eps), None if z is None else p(z),
              0 if z is None else z.stride(0), ACTS[act], float(beta), p(out))
     return out
+
+
+def glu_cpu(z: torch.Tensor, act: str, beta: float) -> torch.Tensor:
+    """act(z[:, :S], z[:, S:]) → [T, S] fp32 for a GLU's gate|up pre-activation z [T, 2S] with contiguous rows, in one
+    pass (``moe_combine_f32`` with no latent part): the prefill's expert and MLP activations, which in torch are four
+    passes over z (tanh, sigmoid, two products)."""
+    return combine_cpu(z.new_empty(z.shape[0], 0), None, z, act, beta)

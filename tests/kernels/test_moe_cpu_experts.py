@@ -102,3 +102,17 @@ def test_combine_is_norm_and_glu_side_by_side(mode, with_norm, with_shared):
     ref_y = y / torch.sqrt(y.pow(2).sum(-1, keepdim=True) + 24 * 1e-6) if with_norm else y
     ref = torch.cat([ref_y, _act(z, mode, 4.0)], dim=1) if with_shared else ref_y
     assert rel_rms(out, ref) <= TOL
+
+
+@pytest.mark.parametrize("act,linear_beta", [("silu", None), ("situ", None), ("situ", 25.0)])
+@pytest.mark.parametrize("T,S,scale", [(1, 8, 1.0), (37, 128, 3.0), (1024, 128, 8.0), (5, 17, 40.0)])
+def test_the_glu_in_one_pass_is_the_torch_glu(act, linear_beta, T, S, scale):
+    from types import SimpleNamespace
+
+    from model.layers.moe import _Act
+
+    a = _Act(SimpleNamespace(hidden_act=act, situ_beta=4.0, situ_linear_beta=linear_beta))  # the fields it reads
+    h = torch.randn(T, 2 * S + 3, generator=torch.Generator().manual_seed(T))[:, : 2 * S] * scale  # strided rows
+    out = a.fused(h)
+    assert out.shape == (T, S) and rel_rms(out, a.fused_torch(h)) <= TOL
+    assert torch.isfinite(out).all()

@@ -28,6 +28,20 @@ static inline float sigmoidf_(float x) {
 }
 static inline float softplusf_(float x) { return fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x))); }
 
+/* sk = kd^T S and sq = qd^T S for one head's state S [D, D]. Inlined, so that a constant D keeps the sums in
+ * vector registers across the rows (with D known only at run time they are loaded and stored for every row). */
+static inline __attribute__((always_inline)) void read_state(const float *restrict S, int64_t D, const float *kd,
+                                                             const float *qd, float *restrict sk, float *restrict sq) {
+    float ask[MAX_D], asq[MAX_D];
+    for (int64_t j = 0; j < D; j++) { ask[j] = 0.f; asq[j] = 0.f; }
+    for (int64_t i = 0; i < D; i++) {
+        const float *row = S + i * D;
+        const float ki = kd[i], qi = qd[i];
+        for (int64_t j = 0; j < D; j++) { ask[j] += ki * row[j]; asq[j] += qi * row[j]; }
+    }
+    for (int64_t j = 0; j < D; j++) { sk[j] = ask[j]; sq[j] = asq[j]; }
+}
+
 int kda_decode_f32(
     int64_t N, int64_t H, int64_t D, int64_t W,
     const float *qkv, int64_t qkv_stride,    /* [N, 3P] pre-conv q|k|v projections, row stride */
@@ -85,12 +99,8 @@ int kda_decode_f32(
             const float beta = sigmoidf_(b[n * b_stride + h]);
             float *S = state + (slots[n] * H + h) * D * D;
             float sk[MAX_D], sq[MAX_D];
-            for (int64_t j = 0; j < D; j++) { sk[j] = 0.f; sq[j] = 0.f; }
-            for (int64_t i = 0; i < D; i++) {
-                const float *row = S + i * D;
-                const float ki = kd[i], qi = qd[i];
-                for (int64_t j = 0; j < D; j++) { sk[j] += ki * row[j]; sq[j] += qi * row[j]; }
-            }
+            if (D == 64) read_state(S, 64, kd, qd, sk, sq);  /* constant D: the sums stay in registers */
+            else read_state(S, D, kd, qd, sk, sq);
             float oo = 0.f;
             for (int64_t j = 0; j < D; j++) {
                 u[j] = beta * (v[j] - sk[j]);
@@ -126,6 +136,27 @@ int kda_decode_f32(
  * written and, in the same pass, dotted with the next token's decayed key and query (the reads the next
  * token's u and o need). Sequence n is rows cu[n] .. cu[n+1]-1 of the [T_total, .] inputs and of out.
  */
+/* One token's state update S = diag(d) S + k u^T (rows i: S[i] = d[i] S[i] + k[i] u), and the next token's reads of
+ * the new state, sk = kd^T S and sq = qd^T S. Inlined, so that a constant D (the common head size) lets the compiler
+ * keep sk and sq in vector registers across the rows instead of loading and storing them for every row. */
+static inline __attribute__((always_inline)) void update_and_read(float *restrict S, int64_t D, const float *dh,
+                                                                  const float *k, const float *u, const float *kd,
+                                                                  const float *qd, float *restrict sk, float *restrict sq) {
+    float ask[MAX_D], asq[MAX_D];
+    for (int64_t j = 0; j < D; j++) { ask[j] = 0.f; asq[j] = 0.f; }
+    for (int64_t i = 0; i < D; i++) {
+        float *row = S + i * D;
+        const float di = dh[i], ki = k[i], kn = kd[i], qn = qd[i];
+        for (int64_t j = 0; j < D; j++) {
+            const float r = di * row[j] + ki * u[j];
+            row[j] = r;
+            ask[j] += kn * r;
+            asq[j] += qn * r;
+        }
+    }
+    for (int64_t j = 0; j < D; j++) { sk[j] = ask[j]; sq[j] = asq[j]; }
+}
+
 int kda_prefill_f32(
     int64_t N, int64_t H, int64_t D, int64_t W,
     const float *qkv, int64_t qkv_stride,
@@ -189,12 +220,8 @@ int kda_prefill_f32(
             {
                 const float *y = buf, *d = y + C;
                 for (int64_t i = 0; i < D; i++) { kd[i] = y[P + h * D + i] * d[h * D + i]; qd[i] = y[h * D + i] * d[h * D + i]; }
-                for (int64_t j = 0; j < D; j++) { sk[j] = 0.f; sq[j] = 0.f; }
-                for (int64_t i = 0; i < D; i++) {
-                    const float *row = S + i * D;
-                    const float ki = kd[i], qi = qd[i];
-                    for (int64_t j = 0; j < D; j++) { sk[j] += ki * row[j]; sq[j] += qi * row[j]; }
-                }
+                if (D == 64) read_state(S, 64, kd, qd, sk, sq);
+                else read_state(S, D, kd, qd, sk, sq);
             }
             for (int64_t t = 0; t < L; t++) {
                 const float *y = buf + t * (C + P), *dh = y + C + h * D;
@@ -214,17 +241,8 @@ int kda_prefill_f32(
                 if (t + 1 < L) {  /* the update, with the next token's reads of the new state */
                     const float *yn = y + C + P, *dn = yn + C + h * D;
                     for (int64_t i = 0; i < D; i++) { kd[i] = yn[P + h * D + i] * dn[i]; qd[i] = yn[h * D + i] * dn[i]; }
-                    for (int64_t j = 0; j < D; j++) { sk[j] = 0.f; sq[j] = 0.f; }
-                    for (int64_t i = 0; i < D; i++) {
-                        float *row = S + i * D;
-                        const float di = dh[i], ki = k[i], kn = kd[i], qn = qd[i];
-                        for (int64_t j = 0; j < D; j++) {
-                            const float r = di * row[j] + ki * u[j];
-                            row[j] = r;
-                            sk[j] += kn * r;
-                            sq[j] += qn * r;
-                        }
-                    }
+                    if (D == 64) update_and_read(S, 64, dh, k, u, kd, qd, sk, sq);  /* constant D: sk, sq in registers */
+                    else update_and_read(S, D, dh, k, u, kd, qd, sk, sq);
                 } else {
                     for (int64_t i = 0; i < D; i++) {
                         float *row = S + i * D;

@@ -115,7 +115,8 @@ def test_kda_native_prefill_matches_the_chunked_path(mla_model, lengths, starts)
             runs.append((layer(x, layout, runner.pool), conv.clone(), state.clone()))
     (o_ref, conv_ref, state_ref), (o, conv, state) = runs
     assert rel_rms(o, o_ref) <= TOL
-    assert torch.equal(conv, conv_ref) and rel_rms(state, state_ref) <= TOL
+    # the tails are projections: from 256 rows on the fast path's go through oneDNN (fused.packed_linear), not mm
+    assert rel_rms(conv, conv_ref) <= TOL and rel_rms(state, state_ref) <= TOL
 
 
 @pytest.mark.parametrize("chunk", [512, 37])

@@ -127,15 +127,6 @@ int kda_decode_f32(
     return 0;
 }
 
-/* Fused KDA prefill on CPU (fp32): the decode step's math for N packed sequences of any length, token after
- * token from each sequence's slot (conv tails and state read and updated in place).
- *
- * Per sequence: the short conv + SiLU, the L2 norms and the decays of all its tokens first (the conv window
- * of token t is rows t..t+W-1 of [tails ; inputs]); then head by head, so that the head's state stays in L1
- * across the sequence, one pass over the state per token: row i of S_t = d_t,i S_{t-1},i + k_t,i u_t is
- * written and, in the same pass, dotted with the next token's decayed key and query (the reads the next
- * token's u and o need). Sequence n is rows cu[n] .. cu[n+1]-1 of the [T_total, .] inputs and of out.
- */
 /* One token's state update S = diag(d) S + k u^T (rows i: S[i] = d[i] S[i] + k[i] u), and the next token's reads of
  * the new state, sk = kd^T S and sq = qd^T S. Inlined, so that a constant D (the common head size) lets the compiler
  * keep sk and sq in vector registers across the rows instead of loading and storing them for every row. */
@@ -157,6 +148,15 @@ static inline __attribute__((always_inline)) void update_and_read(float *restric
     for (int64_t j = 0; j < D; j++) { sk[j] = ask[j]; sq[j] = asq[j]; }
 }
 
+/* Fused KDA prefill on CPU (fp32): the decode step's math for N packed sequences of any length, token after
+ * token from each sequence's slot (conv tails and state read and updated in place).
+ *
+ * Per sequence: the short conv + SiLU, the L2 norms and the decays of all its tokens first (the conv window
+ * of token t is rows t..t+W-1 of [tails ; inputs]); then head by head, so that the head's state stays in L1
+ * across the sequence, one pass over the state per token: row i of S_t = d_t,i S_{t-1},i + k_t,i u_t is
+ * written and, in the same pass, dotted with the next token's decayed key and query (the reads the next
+ * token's u and o need). Sequence n is rows cu[n] .. cu[n+1]-1 of the [T_total, .] inputs and of out.
+ */
 int kda_prefill_f32(
     int64_t N, int64_t H, int64_t D, int64_t W,
     const float *qkv, int64_t qkv_stride,

@@ -25,7 +25,10 @@ on a machine shared with other work a pinned thread can be stuck behind a busy c
 move, so neither side is pinned. ``--threads N`` sets all of them to N.
 
 Timing: a warm-up round, then ``--rounds`` rounds; in each round every workload runs on every system in turn
-(offline first, then with all servers up, HTTP), so load changes on the shared machine hit all of them.
+(offline first, then with all servers up, HTTP), so load changes on the shared machine hit all of them. Before
+each wave the machine settles (:func:`settle`): vLLM's CPU engine keeps a core busy for about a second after its
+last request, which would otherwise land on the start of whichever system's wave comes next (measured: deltaserve's
+16 x 100 HTTP TTFT p50 1.08 s right after a vLLM wave, 0.43 s with the vLLM servers not running).
 Offline tokens/s = generated tokens / wall time of the batch; HTTP tokens/s = completion tokens / (first
 request sent .. last chunk received) over 16 concurrent streams (``/v1/completions``, ``stream=True``); medians
 over rounds. TTFT = time to the first streamed chunk with text, p50/p95 over every request of the timed rounds.
@@ -256,6 +259,33 @@ def round_salts(rounds: int) -> list[str]:
     return ["warm"] + [str(r) for r in range(rounds)]
 
 
+def _cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of all cores since boot (/proc/stat; idle and iowait are not busy)."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(f) - f[3] - f[4], sum(f)
+
+
+SETTLE_BUSY = 0.25  # the machine counts as settled below this share of all cores busy over SETTLE_WINDOW_S
+SETTLE_WINDOW_S = 0.5
+SETTLE_MAX_S = 10.0
+settle_waits: list[float] = []  # seconds each settle took (the page reports them)
+
+
+def settle() -> None:
+    """Wait until the machine is quiet (under :data:`SETTLE_BUSY` of all cores busy over a
+    :data:`SETTLE_WINDOW_S` window), at most :data:`SETTLE_MAX_S`: what the previous wave left running (vLLM's
+    OpenMP threads spin for about a second after its last request; deltaserve's replicas write the wave's cache
+    entries) must not land on the next system's wave."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < SETTLE_MAX_S:
+        b0, n0 = _cpu_times()
+        time.sleep(SETTLE_WINDOW_S)
+        b1, n1 = _cpu_times()
+        if n1 > n0 and (b1 - b0) / (n1 - n0) < SETTLE_BUSY:
+            break
+    settle_waits.append(time.monotonic() - t0)
+
+
 def offline_phase(systems: dict, text: str, salts: list[str], tok) -> dict:
     """{system: {workload: [per-round result]}} (the warm-up round dropped)."""
     res: dict = {s: {w.name: [] for w in WORKLOADS} for s in systems}
@@ -263,6 +293,7 @@ def offline_phase(systems: dict, text: str, salts: list[str], tok) -> dict:
         for w in WORKLOADS:
             texts = prompts(w, salt, text)
             for name, fn in systems.items():
+                settle()
                 r = fn(texts, w)
                 print(f"offline {salt:>4s} {w.name:9s} {name:22s} {r['tokens_per_s']:8.1f} tok/s", flush=True)
                 if salt != "warm":
@@ -292,6 +323,7 @@ def http_phase(servers: dict, key: str, text: str, salts: list[str]) -> dict:
         for w in WORKLOADS:
             texts = prompts(w, salt, text)
             for name, (base, model_id) in servers.items():
+                settle()
                 r = http_wave(base, key, model_id, texts, w.new_tokens)
                 bad = [(p, c) for p, c in zip(r["prompt_tokens"], r["completion_tokens"])
                        if (p, c) != (w.prompt_tokens, w.new_tokens)]
@@ -454,7 +486,10 @@ def main() -> int:
         f"Engine uses the standard pool's caps (max_num_seqs {pool.max_num_seqs}, max_num_batched_tokens "
         f"{pool.max_num_batched_tokens}); `deltaserve up` and vLLM's server run with their defaults otherwise. "
         f"Machine: 2 CPU cores shared with other work; load average {os.getloadavg()[0]:.1f} at the end; ratios "
-        f"are side by side in one run, absolute figures move with the load.",
+        f"are side by side in one run, absolute figures move with the load. Before every wave the machine settled "
+        f"(under {SETTLE_BUSY:.0%} of both cores busy over {SETTLE_WINDOW_S} s, at most {SETTLE_MAX_S:g} s: vLLM keeps a "
+        f"core busy for about a second after its last request): median wait "
+        f"{statistics.median(settle_waits):.1f} s, longest {max(settle_waits):.1f} s.",
         "",
         "`http_text_equals_offline`: requests whose streamed text equals the same system's offline text for the "
         "same prompt (a check that both paths compute the same thing; batching can flip near-ties).",

@@ -73,7 +73,8 @@ class EngineConfig:
 @dataclass
 class EngineStats:
     steps: int = 0  # steps that ran a forward
-    prompt_tokens_computed: int = 0  # prompt tokens run through the model (0 on a decode-only replica)
+    prompt_tokens_computed: int = 0  # prompt tokens run through the model (on a decode replica: only the short
+    #                                  prompts it computes itself, PoolConfig.local_prefill_tokens)
     decode_tokens: int = 0  # tokens fed after the prompt, one per sequence per decode
     preemptions: int = 0  # sequences swapped out to host memory
     restores: int = 0  # states restored into a slot: swapped-out sequences and handoff states

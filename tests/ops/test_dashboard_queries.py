@@ -146,9 +146,11 @@ class Load:
                 self.codes.append((f"task {outcome}", r.status_code))
 
     def refresh(self) -> None:
-        """One greedy completion per pool for tenant alpha, not counted in ``codes`` (must be 200)."""
+        """One greedy completion per pool for tenant alpha on a prompt no cache holds (its prefill computes every
+        token), not counted in ``codes`` (must be 200)."""
         for pool, model in MODELS.items():
-            r = httpx.post(f"{self.base}/completions", json={"model": model, "prompt": SHARED_PROMPT, "max_tokens": 4,
+            prompt = f"refresh {time.time_ns()}: {SHARED_PROMPT}"
+            r = httpx.post(f"{self.base}/completions", json={"model": model, "prompt": prompt, "max_tokens": 4,
                                                              "temperature": 0, "ignore_eos": True},
                            headers={"Authorization": f"Bearer {self.keys['alpha']}"}, timeout=60)
             assert r.status_code == 200, (pool, r.status_code, r.text[:200])
@@ -387,8 +389,8 @@ def test_every_panel_query_returns_data(platform, tmp_path, capsys, record_prope
     # left it once): a last request per pool, outside the load's books, until Prometheus has its engine steps
     # and cache lookups within the window
     load.refresh()
-    wait_for(prom, "sum(increase(ray_deltaserve_step_seconds_count[1m])) > 0")
-    wait_for(prom, "sum(increase(ray_deltaserve_cache_lookups_total[1m])) > 0")
+    for counter in ("step_seconds_count", "prefill_tokens_per_step_count", "cache_lookups_total"):
+        wait_for(prom, f"sum(increase(ray_deltaserve_{counter}[1m])) > 0")
     time.sleep(3 * SCRAPE_S)
 
     codes = sorted(set(load.codes))

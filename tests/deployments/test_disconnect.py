@@ -3,7 +3,8 @@
 Against a real `deltaserve up`: a long greedy stream (``max_tokens`` 2,000, ``ignore_eos``) is
 started over HTTP (SSE) or gRPC (``GenerateStream``), a few chunks are read, then the client
 closes the connection / cancels the call; or a non-streamed completion is sent over a raw socket
-and the socket closed once decode is under way. The standard decode replica's ``stats()`` (read over a
+and the socket closed once decode is under way. On both pools: on highspeed the short prompt, alone in
+flight, is prefilled on the decode replica itself (``local_prefill_tokens``). The pool's decode replica's ``stats()`` (read over a
 Serve handle from a Ray driver joined to the platform's cluster) must show the sequence running
 while the stream flows, and no running sequence and every slot free again within 2 s of the
 hang-up (a decode step here takes tens of milliseconds: 2 s is many steps, far less than the
@@ -42,8 +43,8 @@ def _wait_for(handle, predicate, timeout_s: float) -> tuple[float, dict]:
             return time.monotonic() - t0, stats
 
 
-def _http_stream_and_hang_up(platform: Platform, while_streaming) -> None:
-    body = {"model": MODEL, "prompt": FIXED_PROMPT, "max_tokens": LONG, "temperature": 0, "ignore_eos": True,
+def _http_stream_and_hang_up(platform: Platform, model: str, while_streaming) -> None:
+    body = {"model": model, "prompt": FIXED_PROMPT, "max_tokens": LONG, "temperature": 0, "ignore_eos": True,
             "stream": True}
     with httpx.Client(timeout=120) as client, client.stream("POST", f"{platform.http_url}/v1/completions",
                                                             headers=platform.auth, json=body) as r:
@@ -58,10 +59,10 @@ def _http_stream_and_hang_up(platform: Platform, while_streaming) -> None:
     # leaving both blocks closes the response and the connection (the client is gone)
 
 
-def _http_wait_and_hang_up(platform: Platform, while_streaming) -> None:
+def _http_wait_and_hang_up(platform: Platform, model: str, while_streaming) -> None:
     """A non-streamed completion whose client stops waiting once decode is under way (a raw socket:
     the request sent, the connection closed, nothing read)."""
-    body = json.dumps({"model": MODEL, "prompt": FIXED_PROMPT, "max_tokens": LONG, "temperature": 0,
+    body = json.dumps({"model": model, "prompt": FIXED_PROMPT, "max_tokens": LONG, "temperature": 0,
                        "ignore_eos": True}).encode()
     host, port = platform.http_url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as sock:
@@ -71,8 +72,8 @@ def _http_wait_and_hang_up(platform: Platform, while_streaming) -> None:
         while_streaming(until_running=True)
 
 
-def _grpc_stream_and_hang_up(platform: Platform, while_streaming) -> None:
-    req = pb.GenerateRequest(model=MODEL, prompt=FIXED_PROMPT, max_tokens=LONG, temperature=0.0, ignore_eos=True)
+def _grpc_stream_and_hang_up(platform: Platform, model: str, while_streaming) -> None:
+    req = pb.GenerateRequest(model=model, prompt=FIXED_PROMPT, max_tokens=LONG, temperature=0.0, ignore_eos=True)
     with grpc.insecure_channel(platform.grpc_target) as channel:
         call = pb_grpc.InferenceStub(channel).GenerateStream(
             req, metadata=(("authorization", f"Bearer {platform.key}"),), timeout=120)
@@ -84,12 +85,16 @@ def _grpc_stream_and_hang_up(platform: Platform, while_streaming) -> None:
         call.cancel()
 
 
+@pytest.mark.parametrize("pool", ["standard", "highspeed"])
 @pytest.mark.parametrize("transport", ["http", "http-not-streamed", "grpc"])
-def test_hang_up_mid_stream_frees_the_decode_slot(shared_platform: Platform, transport: str):
+def test_hang_up_mid_stream_frees_the_decode_slot(shared_platform: Platform, transport: str, pool: str):
     from ray import serve
 
+    model = MODEL if pool == "standard" else f"{MODEL}-highspeed"
     with ray_driver(shared_platform):
-        handle = serve.get_deployment_handle("decode-standard", app_name="deltaserve")
+        handle = serve.get_deployment_handle(f"decode-{pool}", app_name="deltaserve")
+        prefill = serve.get_deployment_handle(f"prefill-{pool}", app_name="deltaserve")
+        prefilled = _decode_stats(prefill)["prompt_tokens_computed"]
         _, idle = _wait_for(handle, lambda s: s["running"] == 0 and s["waiting"] == 0, 60)
         assert idle["running"] == 0 and idle["waiting"] == 0, idle
         aborted_before = idle["aborted"]
@@ -104,7 +109,7 @@ def test_hang_up_mid_stream_frees_the_decode_slot(shared_platform: Platform, tra
                 _wait_for(handle, lambda s: s["running"] == 1 and s["decode_tokens"] > idle["decode_tokens"] + 3, 60)
             streaming.append(_decode_stats(handle))
 
-        hang_up(shared_platform, snapshot)
+        hang_up(shared_platform, model, snapshot)
         assert streaming[0]["running"] == 1 and streaming[0]["free_slots"] == idle["free_slots"] - 1, streaming
         took, stats = _wait_for(handle, lambda s: s["running"] == 0 and s["free_slots"] == idle["free_slots"], 30)
         assert stats["running"] == 0 and stats["waiting"] == 0, f"slot still held {took:.1f} s after the hang-up: {stats}"
@@ -112,3 +117,5 @@ def test_hang_up_mid_stream_frees_the_decode_slot(shared_platform: Platform, tra
         assert took <= FREED_WITHIN_S, f"the slot came back {took:.1f} s after the hang-up (limit {FREED_WITHIN_S} s)"
         assert stats["aborted"] == aborted_before + 1, stats
         assert stats["decode_tokens"] - idle["decode_tokens"] < LONG // 2, (idle, stats)
+        # highspeed computed the lone short prompt on the decode replica (the stream the client left was that one)
+        assert (_decode_stats(prefill)["prompt_tokens_computed"] == prefilled) == (pool == "highspeed")

@@ -136,11 +136,10 @@ def main() -> int:
         "",
         "Only a prompt with nothing else of its pool in flight goes local: a decode replica that is decoding takes "
         "prompt tokens only within its `prefill_share` of each step (so running streams keep their TPOT), about 20 "
-        "tokens of k3-tiny per 13 ms step on this machine; a burst of 16 x 100-token prompts all prefilled on the "
-        "standard decode replica spread their first tokens over 2-3 s (TTFT p50 0.58-1.56 s in three waves of a "
-        "trial run, against about 0.55 s through prefill), where a prefill replica on the other core computes them "
-        "in two steps. Even so, in a burst the first request, decoding alone on one of the 2 shared cores, slows "
-        "the prefill of the others: the standard pool's defaults (tuned for bursts) keep it off.",
+        "tokens of k3-tiny per 13 ms step on this machine, so a burst of 16 x 100-token prompts would take about 80 "
+        "decode steps to prefill there, where a prefill replica on the other core computes it in two. Even so, in "
+        "a burst the first request, decoding alone on one of the 2 shared cores, slows the prefill of the others: "
+        "the standard pool's defaults (tuned for bursts) keep it off.",
     ])
     cmd = " ".join([COMMAND, *sys.argv[1:]])
     kw = {"out_dir": args.out_dir} if args.out_dir else {}

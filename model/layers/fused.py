@@ -129,15 +129,39 @@ def linear_t(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None = None
     """``F.linear(x, wt.T, bias)`` for 2-D ``x`` and a weight stored transposed (:func:`t_weight`).
 
     The same product, but on this CPU's BLAS the decode step's small-M products run 1.2-1.75x faster
-    from an [in, out] weight, in cache or not (``benchmarks/results/cpu_kernels.md``). From
-    :data:`PACKED_MIN_ROWS` rows on (prefill), with the prefill fast paths on (:data:`PREFILL`), the
-    product goes through oneDNN with the weight packed once (:func:`packed_linear`); ``torch.mm`` is
-    its reference."""
-    if PREFILL and x.shape[0] >= PACKED_MIN_ROWS and x.device.type == "cpu" and x.dtype == torch.float32:
-        out = packed_linear(x, wt, bias)
+    from an [in, out] weight, in cache or not (``benchmarks/results/cpu_kernels.md``). Fewer than
+    :data:`PACKED_MIN_ROWS` rows (a decode step: a row per sequence) on one torch thread, with the C
+    kernels on (:data:`NATIVE`), go through the panel kernel with the weight packed once
+    (:func:`panel_linear`); from :data:`PACKED_MIN_ROWS` rows on (prefill), with the prefill fast paths on
+    (:data:`PREFILL`), through oneDNN with the weight packed once (:func:`packed_linear`). ``torch.mm`` is
+    the reference of both."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        rows = x.shape[0]
+        if rows >= PACKED_MIN_ROWS:
+            out = packed_linear(x, wt, bias) if PREFILL else None
+        else:
+            out = panel_linear(x, wt, bias) if NATIVE else None
         if out is not None:
             return out
     return torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
+
+
+class _PerWeight:
+    """A value derived from one weight (a packed copy), kept while the weight lives unchanged: keyed by
+    ``id``, checked against a weak reference (a new tensor at a freed address) and the version counter
+    (written in place)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[Any, int, Any]] = {}
+
+    def get(self, wt: torch.Tensor, build: Callable[[torch.Tensor], Any]) -> Any:
+        key = id(wt)
+        hit = self._entries.get(key)
+        if hit is None or hit[0]() is not wt or hit[1] != wt._version:
+            value = build(wt)
+            self._entries[key] = hit = (weakref.ref(wt, lambda _, key=key: self._entries.pop(key, None)),
+                                        wt._version, value)
+        return hit[2]
 
 
 # Prefill products of PACKED_MIN_ROWS rows or more go through oneDNN's linear with the weight reordered once into
@@ -145,7 +169,7 @@ def linear_t(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None = None
 # call, about a quarter of its time at K = 256, and oneDNN's packed product ran 1.03-1.22x faster from 256 rows
 # on this CPU (fewer rows: no faster, or slower). Each output row depends only on its input row, as with mm.
 PACKED_MIN_ROWS = 256
-_packed: dict[int, tuple[Any, int, torch.Tensor]] = {}  # id(wt) -> (weakref to wt, wt's version, packed weight)
+_packed = _PerWeight()
 _packing_ok = [hasattr(torch.ops, "mkldnn") and torch.backends.mkldnn.is_available()]
 
 
@@ -154,16 +178,35 @@ def packed_linear(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None =
     lives unchanged (its version counter); None where oneDNN's packed linear is unavailable (the caller uses mm)."""
     if not _packing_ok[0]:
         return None
-    key = id(wt)
-    hit = _packed.get(key)
-    if hit is None or hit[0]() is not wt or hit[1] != wt._version:
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(wt.t().contiguous(), 512)
-        except (AttributeError, RuntimeError):  # a torch build without it: plain mm from now on
-            _packing_ok[0] = False
-            return None
-        _packed[key] = hit = (weakref.ref(wt, lambda _, key=key: _packed.pop(key, None)), wt._version, packed)
-    return torch.ops.mkldnn._linear_pointwise(x, hit[2], bias, "none", [], "")
+    try:
+        packed = _packed.get(wt, lambda w: torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), 512))
+    except (AttributeError, RuntimeError):  # a torch build without it: plain mm from now on
+        _packing_ok[0] = False
+        return None
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+# Products of fewer rows (a decode step's) go through the C panel kernel (kernels/gemm/cpu_panel.c) with the weight
+# packed once into panels of 32 columns: MKL's sgemm packs the whole weight on every call, most of its time at a few
+# rows (benchmarks/results/panel_gemm.md). Weights of PANEL_MIN_K inputs or more only: with fewer (k3-tiny's 64- and
+# 128-input projections) a call's fixed cost outweighs the packing it saves, and mm measured as fast or faster. One
+# thread only: with more, mm spreads the product over them.
+PANEL_MIN_K = 256
+_panels = _PerWeight()
+
+
+def panel_linear(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``x @ wt + bias`` through the C panel kernel with ``wt`` ([in, out], fp32 CPU, contiguous) packed on first use
+    and kept while it lives unchanged; None where the kernel does not apply (the caller uses mm): the kernels are
+    off or unbuilt, torch runs more than one thread, ``wt`` has fewer than :data:`PANEL_MIN_K` rows, or a tensor is
+    not in the layout the kernel takes."""
+    from kernels.gemm import cpu as gemm_cpu
+
+    if (wt.shape[0] < PANEL_MIN_K or not gemm_cpu.available() or torch.get_num_threads() != 1 or wt.dtype != torch.float32 or wt.dim() != 2
+            or not wt.is_contiguous() or x.shape[0] == 0 or (bias is not None and (bias.dtype != torch.float32
+                                                                                  or not bias.is_contiguous()))):
+        return None
+    return gemm_cpu.panel_gemm(x.contiguous(), _panels.get(wt, gemm_cpu.pack), wt.shape[1], bias)
 
 
 def slot_range(slots: tuple[int, ...]) -> int | None:

@@ -37,8 +37,9 @@ def test_a_weight_changed_in_place_is_packed_again():
     assert rel_rms(after, 2 * before) <= 1e-6 and rel_rms(after, x @ wt) <= 1e-6
 
 
-def test_below_the_row_threshold_and_with_prefill_paths_off_it_is_mm(monkeypatch):
+def test_below_the_row_threshold_and_with_prefill_paths_off_it_is_not_onednn(monkeypatch):
     wt, x = torch.randn(64, 32), torch.randn(fused.PACKED_MIN_ROWS - 1, 64)
+    monkeypatch.setattr(fused, "NATIVE", False)  # below it: the panel kernel (tests/kernels/test_panel_gemm.py) or mm
     assert torch.equal(fused.linear_t(x, wt), torch.mm(x, wt))
     monkeypatch.setattr(fused, "PREFILL", False)
     x = torch.randn(fused.PACKED_MIN_ROWS, 64)

@@ -77,10 +77,13 @@ def test_bad_arguments_are_named():
 
 def test_the_plain_c_loop_without_avx512_is_mm(tmp_path):
     cc = native.compiler()
-    lib_path = tmp_path / "panel_noavx512.so"
-    flags = [f for f in native.FLAGS] + ["-mno-avx512f"]
-    subprocess.run([cc, *flags, "-shared", "-o", str(lib_path), str(gemm_cpu.SOURCE), "-lm"], check=True)
+    obj, lib_path = tmp_path / "panel_noavx512.o", tmp_path / "panel_noavx512.so"
+    # compiled as kernels.native builds (fast math), linked without it: a -ffast-math link would turn on
+    # flush-to-zero for this whole process when the library loads
+    subprocess.run([cc, *native.FLAGS, "-mno-avx512f", "-c", "-o", str(obj), str(gemm_cpu.SOURCE)], check=True)
+    subprocess.run([cc, *native.LINK, "-o", str(lib_path), str(obj), *native.LIBS], check=True)
     lib = ctypes.CDLL(str(lib_path))
+    assert (torch.tensor(1e-38) * 1e-3).item() != 0.0  # subnormals survive: the library did not set flush-to-zero
     lib.panel_gemm_f32.argtypes = [native.I64] * 3 + [native.PTR] * 4
     for M, K, N, with_bias in [(1, 256, 1092, False), (5, 64, 260, True), (19, 128, 33, True), (200, 256, 256, False)]:
         x, wt, bias, ref = _case(M, K, N, with_bias, seed=1)

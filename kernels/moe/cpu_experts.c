@@ -15,7 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define TB 4   /* tokens per block (fewer are padded with a zero row) */
+#define TB 8   /* most tokens per block (fewer are padded with zero rows up to 4 or 8) */
 #define CW 32  /* columns per register block */
 #define RB 8   /* weight rows per block */
 
@@ -32,46 +32,57 @@ static inline float glu_(int32_t act, float beta, float g, float u) {
     return sigmoidf_(beta * g) * tanhf(g) * tanhf(u);
 }
 
-/* c[b][:] = sum_r a[b][r] * W[r][:] for the TB rows a[b], W [R, C] row-major, c [TB, ldc]. W is read in
+/* c[b][:] = sum_r a[b][r] * W[r][:] for the TBN rows a[b] (TBN: 4 or 8, one copy each), W [R, C] row-major, c [TB, ldc]. W is read in
  * order, RB rows at a time (they stay in L1 while every column chunk passes over them), with each chunk's
  * TB x CW accumulators in registers across the block: a cold weight matrix streams from memory once. */
-static void rows_times_matrix(const float *const *a, int64_t R, const float *W, int64_t C, float *c, int64_t ldc,
-                              const float *next) {
-    for (int b = 0; b < TB; b++)
-        for (int64_t j = 0; j < C; j++) c[b * ldc + j] = 0.f;
-    for (int64_t r0 = 0; r0 < R; r0 += RB) {
-        const int64_t rb = R - r0 < RB ? R - r0 : RB;
-        int64_t j0 = 0;
-        /* Software prefetch one block ahead, spread over the block's column chunks (a row is too short for the
-         * hardware prefetcher to ramp up): the next RB rows at this chunk's columns, or during the last block
-         * the start of ``next`` (the matrix read after this one), as many bytes as a block, in order. */
-        const int64_t rn = R - (r0 + RB) < RB ? R - (r0 + RB) : RB;  /* rows of the next block; <= 0: last */
-        for (int64_t k = 0; j0 + CW <= C; j0 += CW, k++) {
-            if (rn > 0) {
-                for (int64_t rr = 0; rr < rn; rr++) {
-                    __builtin_prefetch(W + (r0 + RB + rr) * C + j0, 0, 3);
-                    __builtin_prefetch(W + (r0 + RB + rr) * C + j0 + 16, 0, 3);
-                }
-            } else if (next) {
-                for (int64_t t = 0; t < 2 * RB; t++) __builtin_prefetch(next + (k * 2 * RB + t) * 16, 0, 3);
-            }
-            float acc[TB][CW];
-            for (int b = 0; b < TB; b++)
-                for (int jj = 0; jj < CW; jj++) acc[b][jj] = c[b * ldc + j0 + jj];
-            for (int64_t rr = 0; rr < rb; rr++) {
-                const float *w = W + (r0 + rr) * C + j0;
-                for (int b = 0; b < TB; b++) {
-                    const float av = a[b][r0 + rr];
-                    for (int jj = 0; jj < CW; jj++) acc[b][jj] += av * w[jj];
-                }
-            }
-            for (int b = 0; b < TB; b++)
-                for (int jj = 0; jj < CW; jj++) c[b * ldc + j0 + jj] = acc[b][jj];
-        }
-        for (; j0 < C; j0++)  /* columns left over */
-            for (int64_t rr = 0; rr < rb; rr++)
-                for (int b = 0; b < TB; b++) c[b * ldc + j0] += a[b][r0 + rr] * W[(r0 + rr) * C + j0];
-    }
+#define ROWS_TIMES_MATRIX(TBN) \
+static void rows_times_matrix_##TBN(const float *const *a, int64_t R, const float *W, int64_t C, float *c, int64_t ldc, \
+                              const float *next) {                                                                  \
+    for (int b = 0; b < TBN; b++)                                                                                   \
+        for (int64_t j = 0; j < C; j++) c[b * ldc + j] = 0.f;                                                       \
+    for (int64_t r0 = 0; r0 < R; r0 += RB) {                                                                        \
+        const int64_t rb = R - r0 < RB ? R - r0 : RB;                                                               \
+        int64_t j0 = 0;                                                                                             \
+        /* Software prefetch one block ahead, spread over the block's column chunks (a row is too short for the     \
+         * hardware prefetcher to ramp up): the next RB rows at this chunk's columns, or during the last block      \
+         * the start of ``next`` (the matrix read after this one), as many bytes as a block, in order. */           \
+        const int64_t rn = R - (r0 + RB) < RB ? R - (r0 + RB) : RB;  /* rows of the next block; <= 0: last */       \
+        for (int64_t k = 0; j0 + CW <= C; j0 += CW, k++) {                                                          \
+            if (rn > 0) {                                                                                           \
+                for (int64_t rr = 0; rr < rn; rr++) {                                                               \
+                    __builtin_prefetch(W + (r0 + RB + rr) * C + j0, 0, 3);                                          \
+                    __builtin_prefetch(W + (r0 + RB + rr) * C + j0 + 16, 0, 3);                                     \
+                }                                                                                                   \
+            } else if (next) {                                                                                      \
+                for (int64_t t = 0; t < 2 * RB; t++) __builtin_prefetch(next + (k * 2 * RB + t) * 16, 0, 3);        \
+            }                                                                                                       \
+            float acc[TBN][CW];                                                                                     \
+            for (int b = 0; b < TBN; b++)                                                                           \
+                for (int jj = 0; jj < CW; jj++) acc[b][jj] = c[b * ldc + j0 + jj];                                  \
+            for (int64_t rr = 0; rr < rb; rr++) {                                                                   \
+                const float *w = W + (r0 + rr) * C + j0;                                                            \
+                for (int b = 0; b < TBN; b++) {                                                                     \
+                    const float av = a[b][r0 + rr];                                                                 \
+                    for (int jj = 0; jj < CW; jj++) acc[b][jj] += av * w[jj];                                       \
+                }                                                                                                   \
+            }                                                                                                       \
+            for (int b = 0; b < TBN; b++)                                                                           \
+                for (int jj = 0; jj < CW; jj++) c[b * ldc + j0 + jj] = acc[b][jj];                                  \
+        }                                                                                                           \
+        for (; j0 < C; j0++)  /* columns left over */                                                               \
+            for (int64_t rr = 0; rr < rb; rr++)                                                                     \
+                for (int b = 0; b < TBN; b++) c[b * ldc + j0] += a[b][r0 + rr] * W[(r0 + rr) * C + j0];             \
+    }                                                                                                               \
+}
+ROWS_TIMES_MATRIX(4)
+ROWS_TIMES_MATRIX(8)
+
+/* the rows of one block: 8 when the expert has more than 4 tokens left (its weights then stream once for
+ * 8 tokens instead of twice for 4 each), else 4 (a lone token computes 3 zero rows, not 7) */
+static void rows_times_matrix(int64_t nb, const float *const *a, int64_t R, const float *W, int64_t C, float *c,
+                              int64_t ldc, const float *next) {
+    if (nb > 4) rows_times_matrix_8(a, R, W, C, c, ldc, next);
+    else rows_times_matrix_4(a, R, W, C, c, ldc, next);
 }
 
 int moe_experts_f32(
@@ -117,7 +128,7 @@ int moe_experts_f32(
                 xs[b] = b < nb ? x + (order[s + b] / K) * x_stride : zeros;
                 as[b] = h + b * I2;
             }
-            rows_times_matrix(xs, D, W13, I2, h, I2, W2);  /* h = x @ W13 */
+            rows_times_matrix(nb, xs, D, W13, I2, h, I2, W2);  /* h = x @ W13 */
             for (int64_t b = 0; b < nb; b++) {  /* activation, in the gate half of h, times the routing weight */
                 float *hb = h + b * I2;
                 const float wt = w[order[s + b]];
@@ -125,7 +136,7 @@ int moe_experts_f32(
             }
             for (int64_t b = nb; b < TB; b++)
                 for (int64_t i = 0; i < I; i++) h[b * I2 + i] = 0.f;
-            rows_times_matrix(as, I, W2, D, y, D, nxt);  /* y = a @ W2 (padded rows: zeros, not stored) */
+            rows_times_matrix(nb, as, I, W2, D, y, D, nxt);  /* y = a @ W2 (padded rows: zeros, not stored) */
             for (int64_t b = 0; b < nb; b++) {
                 float *ob = out + (order[s + b] / K) * D;
                 for (int64_t j = 0; j < D; j++) ob[j] += y[b * D + j];

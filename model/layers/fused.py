@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch.nn.modules import module as _module
 
+from kernels.gemm import cpu as gemm_cpu
+
 _data_ptr = torch.Tensor.data_ptr
 _version = operator.attrgetter("_version")
 
@@ -200,11 +202,11 @@ def panel_linear(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None = 
     and kept while it lives unchanged; None where the kernel does not apply (the caller uses mm): the kernels are
     off or unbuilt, torch runs more than one thread, ``wt`` has fewer than :data:`PANEL_MIN_K` rows, or a tensor is
     not in the layout the kernel takes."""
-    from kernels.gemm import cpu as gemm_cpu
-
-    if (wt.shape[0] < PANEL_MIN_K or not gemm_cpu.available() or torch.get_num_threads() != 1 or wt.dtype != torch.float32 or wt.dim() != 2
-            or not wt.is_contiguous() or x.shape[0] == 0 or (bias is not None and (bias.dtype != torch.float32
-                                                                                  or not bias.is_contiguous()))):
+    if wt.dim() != 2 or wt.shape[0] < PANEL_MIN_K or wt.dtype != torch.float32 or not wt.is_contiguous():
+        return None
+    if x.shape[0] == 0 or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous())):
+        return None
+    if torch.get_num_threads() != 1 or not gemm_cpu.available():
         return None
     return gemm_cpu.panel_gemm(x.contiguous(), _panels.get(wt, gemm_cpu.pack), wt.shape[1], bias)
 

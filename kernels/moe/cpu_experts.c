@@ -32,9 +32,10 @@ static inline float glu_(int32_t act, float beta, float g, float u) {
     return sigmoidf_(beta * g) * tanhf(g) * tanhf(u);
 }
 
-/* c[b][:] = sum_r a[b][r] * W[r][:] for the TBN rows a[b] (TBN: 4 or 8, one copy each), W [R, C] row-major, c [TB, ldc]. W is read in
- * order, RB rows at a time (they stay in L1 while every column chunk passes over them), with each chunk's
- * TB x CW accumulators in registers across the block: a cold weight matrix streams from memory once. */
+/* c[b][:] = sum_r a[b][r] * W[r][:] for the TBN rows a[b], W [R, C] row-major, c [TBN, ldc] (one copy for each
+ * TBN, 4 and 8). W is read in order, RB rows at a time (they stay in L1 while every column chunk passes over
+ * them), with each chunk's TBN x CW accumulators in registers across the block: a cold weight matrix streams
+ * from memory once. */
 #define ROWS_TIMES_MATRIX(TBN) \
 static void rows_times_matrix_##TBN(const float *const *a, int64_t R, const float *W, int64_t C, float *c, int64_t ldc, \
                               const float *next) {                                                                  \

@@ -25,7 +25,9 @@ its consumer takes one merged output per interval instead of one per step.
 
 ``gather_wait_s`` / ``gather_gap_s`` (a prefill replica's burst window): requests that reach an
 idle engine are held before its first step while more keep arriving, until none has arrived
-for ``gather_gap_s`` or ``gather_wait_s`` has passed since the wait began. Concurrent requests
+for ``gather_gap_s`` or ``gather_wait_s`` has passed since the wait began, or as soon as the requests
+held fill a step (their tokens still to compute reach ``max_num_batched_tokens``, or they number
+``max_num_seqs``): later arrivals could only join the next step. Concurrent requests
 reach a replica spread over tens of milliseconds (the ingress takes them one after another);
 without the window the first runs a step alone and the rest wait for it, then reach decode
 one step apart. The window never applies while the engine has work: arrivals during a step
@@ -72,6 +74,17 @@ from .stream_batcher import StreamBatcher
 _T = TypeVar("_T")
 
 log = logging.getLogger(__name__)
+
+def _to_compute(req: GenerationRequest, kwargs: dict[str, Any]) -> int:
+    """Tokens an added request still has to run through the model: its prompt and replayed output, less what a
+    cached prefix or a handed-off state (``Engine.add_request``'s keywords) already covers."""
+    n = len(req.prompt_ids) + len(kwargs.get("replay_ids", ()))
+    for key in ("cached_prefix", "resume_state"):
+        state = kwargs.get(key)
+        if state is not None:
+            n -= state.position
+    return max(n, 0)
+
 
 _NICE_STEP = 1.25  # Linux CFS: each nice level weighs about 1.25x less than the one below it
 MAX_NICE = 19
@@ -275,12 +288,21 @@ class AsyncEngine:
         """Wait while requests keep arriving at an idle engine (see the module docstring)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.gather_wait_s
-        while not self._closed and (left := deadline - loop.time()) > 0:
+        while not self._closed and (left := deadline - loop.time()) > 0 and not self._first_step_full():
             wake.clear()
             try:
                 await asyncio.wait_for(wake.wait(), min(self.gather_gap_s, left))
             except TimeoutError:
                 return  # nothing arrived for a gap
+
+    def _first_step_full(self) -> bool:
+        """Whether the requests held for an idle engine's first step already fill it (see the module docstring)."""
+        config = self.engine.config
+        with self._pending:
+            if len(self._adds) >= config.max_num_seqs:
+                return True
+            tokens = sum(_to_compute(req, kwargs) for req, kwargs, _ in self._adds)
+        return tokens >= config.max_num_batched_tokens
 
     def _add_and_step(self, adds: list[tuple[GenerationRequest, dict[str, Any]]], aborts: list[str]) -> tuple[
             list[Exception | None], list[RequestOutput], Exception | None, bool]:

@@ -591,6 +591,35 @@ def test_async_engine_gathers_a_burst_at_an_idle_engine_into_one_step(model, tok
     assert any({"a", "d"} <= {c.seq.request_id for c in s.chunks} for s in steps)
 
 
+@pytest.mark.parametrize("prompt_len, max_num_seqs, fills_at", [(24, 8, 3), (4, 2, 2)],
+                         ids=["token-budget", "sequence-cap"])
+def test_async_engine_gather_ends_once_the_held_requests_fill_a_step(model, tok, prompt_len, max_num_seqs, fills_at):
+    """Requests 50 ms apart at an idle engine with a long hold (20 s, gap 1 s): once those held fill the first
+    step (their prompt tokens reach the 64-token budget, or they number max_num_seqs) it starts at once."""
+    async def main():
+        aengine = AsyncEngine(make_engine(model, tok, max_num_seqs=max_num_seqs), gather_wait_s=20.0, gather_gap_s=1.0)
+        steps = spy_schedule(aengine.engine)
+        loop = asyncio.get_running_loop()
+        first: dict[str, float] = {}
+
+        async def consume(rid, seed):
+            async for _ in aengine.generate(request(rid, prompt(prompt_len, seed), 2)):
+                first.setdefault(rid, loop.time())
+
+        tasks = []
+        for i in range(fills_at):
+            tasks.append(asyncio.create_task(consume(f"f{i}", 60 + i)))
+            await asyncio.sleep(0.05)
+        t_full = loop.time() - 0.05
+        await asyncio.gather(*tasks)
+        await aengine.shutdown()
+        return steps, first, t_full
+
+    steps, first, t_full = asyncio.run(main())
+    assert {c.seq.request_id for c in steps[0].chunks} == {f"f{i}" for i in range(fills_at)}
+    assert first["f0"] - t_full < 0.5  # not held for the 1 s gap
+
+
 def test_async_engine_gather_ends_at_its_wait_while_requests_keep_coming(model, tok):
     async def main():
         aengine = AsyncEngine(make_engine(model, tok), gather_wait_s=0.5, gather_gap_s=0.3)

@@ -75,6 +75,7 @@ _T = TypeVar("_T")
 
 log = logging.getLogger(__name__)
 
+
 def _to_compute(req: GenerationRequest, kwargs: dict[str, Any]) -> int:
     """Tokens an added request still has to run through the model: its prompt and replayed output, less what a
     cached prefix or a handed-off state (``Engine.add_request``'s keywords) already covers."""

@@ -47,7 +47,13 @@ def panel_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor
         _check("panel_gemm: bias", bias, 1)
         if bias.shape[0] != n:
             raise ValueError(f"panel_gemm: bias of {bias.shape[0]} values for {n} outputs")
-    out = torch.empty(M, n)
+    return panel_gemm_checked(x, packed, n, bias)
+
+
+def panel_gemm_checked(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`panel_gemm` for a caller that already holds every layout it checks (``fused.panel_linear``, on the
+    decode step's path: its weights are checked once, when packed)."""
+    out = torch.empty(x.shape[0], n)
     p = native.ptr
-    LIB.call("panel_gemm_f32", M, n, K, p(x), p(packed), None if bias is None else p(bias), p(out))
+    LIB.call("panel_gemm_f32", x.shape[0], n, x.shape[1], p(x), p(packed), None if bias is None else p(bias), p(out))
     return out

@@ -197,18 +197,26 @@ PANEL_MIN_K = 256
 _panels = _PerWeight()
 
 
+def _panel_pack(wt: torch.Tensor) -> torch.Tensor | None:
+    """``wt`` packed for the panel kernel, or None where the kernel never takes it (kept per weight like the pack)."""
+    if wt.dim() != 2 or wt.shape[0] < PANEL_MIN_K or wt.dtype != torch.float32 or not wt.is_contiguous():
+        return None
+    return gemm_cpu.pack(wt) if gemm_cpu.available() else None
+
+
 def panel_linear(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """``x @ wt + bias`` through the C panel kernel with ``wt`` ([in, out], fp32 CPU, contiguous) packed on first use
     and kept while it lives unchanged; None where the kernel does not apply (the caller uses mm): the kernels are
     off or unbuilt, torch runs more than one thread, ``wt`` has fewer than :data:`PANEL_MIN_K` rows, or a tensor is
-    not in the layout the kernel takes."""
-    if wt.dim() != 2 or wt.shape[0] < PANEL_MIN_K or wt.dtype != torch.float32 or not wt.is_contiguous():
+    not in the layout the kernel takes. The weight's checks run once, when it is packed."""
+    if x.shape[0] == 0 or torch.get_num_threads() != 1:
         return None
-    if x.shape[0] == 0 or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous())):
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous() or bias.shape != wt.shape[1:]):
         return None
-    if torch.get_num_threads() != 1 or not gemm_cpu.available():
+    packed = _panels.get(wt, _panel_pack)
+    if packed is None:
         return None
-    return gemm_cpu.panel_gemm(x.contiguous(), _panels.get(wt, gemm_cpu.pack), wt.shape[1], bias)
+    return gemm_cpu.panel_gemm_checked(x.contiguous(), packed, wt.shape[1], bias)
 
 
 def slot_range(slots: tuple[int, ...]) -> int | None:

@@ -1,21 +1,22 @@
-"""A short prompt prefilled on the decode replica vs through the prefill deployment, under `deltaserve up`.
+"""Short prompts prefilled on the decode replica vs through the prefill deployment, under `deltaserve up`.
 
-With ``PoolConfig.local_prefill_tokens`` (256 for highspeed by default, 0 for standard) a prompt that short, sent
-while nothing else of its pool is in flight through the ingress, goes straight to a decode replica, which computes
-it and streams from its first token: no prefill hop (no Serve call, no gather gap of an idle prefill replica), no
-state handoff. With it at 0 every prompt goes through prefill, then decode. The two settings are the embedded
-defaults with the measured pool's (``--model``: ``k3-tiny`` is standard, ``k3-tiny-highspeed`` highspeed)
-``local_prefill_tokens`` at 256 and at 0 (``deltaserve up --config``).
+With ``PoolConfig.local_prefill_tokens`` (256 on both pools by default) a prompt that short goes straight to a
+decode replica, which computes it and streams from its first token (no prefill hop, no gather gap of an idle
+prefill replica, no state handoff), when nothing else of its pool is in flight through the ingress; where the
+pool's decode replicas gather (standard), a burst reaching the idle pool within their window is split between the
+decode replica and the prefill replica (deployments/gateway/local_prefill.py). With it at 0 every prompt goes
+through prefill, then decode. Settings: the embedded defaults and the measured pool (``--model``: ``k3-tiny`` is
+standard, ``k3-tiny-highspeed`` highspeed) with ``local_prefill_tokens`` 0 (for standard, also with the decode
+gather window it had before bursts were split: 60 / 10 ms, not 100 / 30).
 
 `deltaserve up` is started alternately each way, ``--reps`` starts of each. Per start, after a warm-up:
 
 * lone requests: ``--lone`` requests one after another (each waits for the last to end), ``--prompt-chars``-
   character prompts x ``--lone-tokens`` new tokens: TTFT and end-to-end time, client side;
-* bursts: ``--waves`` waves of ``--streams`` concurrent streams (default: the pool's ``max_num_seqs``) of the same
-  prompts x 64 new tokens (the first request of a burst finds nothing in flight and goes local; the rest go through
-  prefill): output tokens/s and TTFT p50.
+* bursts: ``--waves`` waves of ``--streams`` concurrent streams of the same prompts x 64 new tokens: output
+  tokens/s and TTFT p50.
 
-All greedy, ``ignore_eos``. Medians per setting; ratios local / through prefill.
+All greedy, ``ignore_eos``. Medians per setting; ratios to the second setting.
 
 Writes ``benchmarks/results/local_prefill_<pool>.{json,md}``.
 
@@ -46,13 +47,20 @@ from deployments.config import PlatformConfig  # noqa: E402
 from tests.deployments.up_process import deltaserve_up  # noqa: E402
 
 COMMAND = ".venv/bin/python benchmarks/bench_local_prefill.py"
-MODES = ("local prefill", "through prefill")
+def settings(pool: str) -> dict[str, dict]:
+    """Setting name -> overrides of ``pool``'s embedded defaults: the defaults, then the baseline the ratios are to,
+    every prompt through prefill (``local_prefill_tokens`` 0); for a pool whose decode replicas gather (standard),
+    with the decode gather window the pool had before it split bursts (60 / 10 ms)."""
+    if PlatformConfig().pools[pool].decode_gather_wait_ms:
+        return {"defaults": {}, "local_prefill_tokens 0, decode gather 60 / 10 ms (before)": {
+            "local_prefill_tokens": 0, "decode_gather_wait_ms": 60, "decode_gather_gap_ms": 10}}
+    return {"defaults": {}, "local_prefill_tokens 0": {"local_prefill_tokens": 0}}
 
 
-def config_file(path: Path, pool: str, tokens: int) -> Path:
-    """The embedded defaults with ``pool``'s ``local_prefill_tokens`` at ``tokens``."""
+def config_file(path: Path, pool: str, overrides: dict) -> Path:
+    """The embedded defaults with ``overrides`` applied to ``pool``."""
     data = PlatformConfig().model_dump(mode="json")
-    data["pools"][pool]["local_prefill_tokens"] = tokens
+    data["pools"][pool].update(overrides)
     path.write_text(yaml.safe_dump(data))
     return path
 
@@ -76,23 +84,24 @@ def main() -> int:
     ap.add_argument("--lone", type=int, default=20, help="lone requests per start (after 3 warm-up ones)")
     ap.add_argument("--lone-tokens", type=int, default=16)
     ap.add_argument("--waves", type=int, default=3, help="timed burst waves per start (after one warm-up wave)")
-    ap.add_argument("--streams", type=int, default=None, help="streams per burst (default: the pool's max_num_seqs)")
+    ap.add_argument("--streams", type=int, default=16, help="streams per burst")
     ap.add_argument("--prompt-chars", type=int, default=100, help="prompt length (the byte tokenizer: ~1 token each)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out-dir", type=Path, default=None)
     args = ap.parse_args()
 
     pool = "highspeed" if args.model.endswith("-highspeed") else "standard"
-    args.streams = args.streams or PlatformConfig().pools[pool].max_num_seqs
     tmp, key = bench_tenant("bench_local_prefill_", pools=(pool,))
     cfg_dir = Path(tempfile.mkdtemp(prefix="bench_local_prefill_cfg_"))
-    configs = {MODES[0]: config_file(cfg_dir / "local.yaml", pool, 256), MODES[1]: config_file(cfg_dir / "through.yaml", pool, 0)}
+    modes = settings(pool)
+    baseline = list(modes)[1]
+    configs = {m: config_file(cfg_dir / f"{i}.yaml", pool, o) for i, (m, o) in enumerate(modes.items())}
     text = corpus()
-    lone: dict[str, list[dict]] = {m: [] for m in MODES}
-    waves: dict[str, list[dict]] = {m: [] for m in MODES}
+    lone: dict[str, list[dict]] = {m: [] for m in modes}
+    waves: dict[str, list[dict]] = {m: [] for m in modes}
     t_start = time.monotonic()
     for rep in range(args.reps):
-        for mode in (MODES if rep % 2 == 0 else MODES[::-1]):
+        for mode in (list(modes) if rep % 2 == 0 else list(modes)[::-1]):
             with deltaserve_up(["--tenants", str(tmp / "tenants.yaml"), "--config", str(configs[mode])]) as up:
                 base = f"http://127.0.0.1:{up.http_port}"
                 texts = burst_texts(text, f"lone {mode} {rep}", rep * 17 + 5, args.lone + 3, args.prompt_chars)
@@ -118,28 +127,33 @@ def main() -> int:
              "lone_ttft_p95_s": round(statistics.quantiles([r["ttft_s"] for r in lone[m]], n=20)[-1], 4),
              "lone_e2e_p50_s": round(statistics.median(r["e2e_s"] for r in lone[m]), 4),
              "burst_waves": len(waves[m]), "burst_tokens_per_s": round(statistics.median(x["tokens_per_s"] for x in waves[m]), 1),
-             "burst_ttft_p50_s": round(statistics.median(x["ttft_p50_s"] for x in waves[m]), 3)} for m in MODES]
-    loc, thr = rows
-    ratios = {k: loc[k] / thr[k] for k in ("lone_ttft_p50_s", "lone_e2e_p50_s", "burst_tokens_per_s", "burst_ttft_p50_s")}
+             "burst_ttft_p50_s": round(statistics.median(x["ttft_p50_s"] for x in waves[m]), 3)} for m in modes]
+    keys = ("lone_ttft_p50_s", "lone_e2e_p50_s", "burst_tokens_per_s", "burst_ttft_p50_s")
+    base = next(r for r in rows if r["setting"] == baseline)
+    ratios = {r["setting"]: {k: r[k] / base[k] for k in keys} for r in rows if r["setting"] != baseline}
+    for r in rows:
+        r.update({f"{k}_ratio": round(r[k] / base[k], 3) for k in keys})
+    said = "; ".join(
+        f"{m}: lone TTFT p50 **{x['lone_ttft_p50_s']:.2f}x**, lone end to end p50 **{x['lone_e2e_p50_s']:.2f}x**, "
+        f"burst tokens/s **{x['burst_tokens_per_s']:.2f}x**, burst TTFT p50 **{x['burst_ttft_p50_s']:.2f}x**"
+        for m, x in ratios.items())
+    overrides = "; ".join(f"{m}: {o or 'none'}" for m, o in modes.items())
     notes = "\n".join([
-        f"`deltaserve up` (`{args.model}`: the {pool} pool) with its `local_prefill_tokens` at 256 vs 0, the rest "
-        "the embedded defaults, "
-        f"{args.reps} starts of each interleaved. Lone: {args.lone} requests one after another per start (after 3 "
-        f"warm-up ones), {args.prompt_chars}-character prompts x {args.lone_tokens} new tokens. Bursts: {args.waves} "
-        f"waves per start (after a warm-up wave) of {args.streams} concurrent streams x {args.max_tokens} new tokens. "
-        "Greedy, `ignore_eos`; client-side times; medians.",
+        f"`deltaserve up` (`{args.model}`: the {pool} pool) with the embedded defaults and with the pool's overrides "
+        f"({overrides}), {args.reps} starts of each interleaved. Lone: {args.lone} requests one after another per "
+        f"start (after 3 warm-up ones), {args.prompt_chars}-character prompts x {args.lone_tokens} new tokens. "
+        f"Bursts: {args.waves} waves per start (after a warm-up wave) of {args.streams} concurrent streams x "
+        f"{args.max_tokens} new tokens. Greedy, `ignore_eos`; client-side times; medians. `*_ratio`: to "
+        f"\"{baseline}\" (every prompt through prefill).",
         "",
-        f"Local / through prefill: lone TTFT p50 **{ratios['lone_ttft_p50_s']:.2f}x**, lone end to end p50 "
-        f"**{ratios['lone_e2e_p50_s']:.2f}x**; burst tokens/s **{ratios['burst_tokens_per_s']:.2f}x**, burst TTFT p50 "
-        f"**{ratios['burst_ttft_p50_s']:.2f}x**. Whole run {time.monotonic() - t_start:.0f} s on the machine's 2 shared "
-        "cores: compare the settings, not absolute figures.",
+        f"Against \"{baseline}\": {said}. Whole run {time.monotonic() - t_start:.0f} s on the machine's 2 shared cores: "
+        "compare the settings, not absolute figures.",
         "",
-        "Only a prompt with nothing else of its pool in flight goes local: a decode replica that is decoding takes "
-        "prompt tokens only within its `prefill_share` of each step (so running streams keep their TPOT), about 20 "
-        "tokens of k3-tiny per 13 ms step on this machine, so a burst of 16 x 100-token prompts would take about 80 "
-        "decode steps to prefill there, where a prefill replica on the other core computes it in two. Even so, in "
-        "a burst the first request, decoding alone on one of the 2 shared cores, slows the prefill of the others: "
-        "the standard pool's defaults (tuned for bursts) keep it off.",
+        "A lone short prompt goes local. Where the decode replicas gather (standard), a burst reaching the idle pool "
+        "within their window is split: a short prompt goes local while the burst's local prompt tokens are no more "
+        "than those sent through prefill, so the decode replica and the prefill replica each prefill about half of "
+        "it, side by side. A decode replica that is decoding takes prompt tokens only within its `prefill_share` of "
+        "each step, so nothing after the window goes local (deployments/gateway/local_prefill.py).",
     ])
     cmd = " ".join([COMMAND, *sys.argv[1:]])
     kw = {"out_dir": args.out_dir} if args.out_dir else {}

@@ -52,9 +52,10 @@ class PoolConfig(_Strict):
                                          "long (what a lone request waits); at most prefill_gather_wait_ms")
 
     decode_gather_wait_ms: float = Field(0.0, ge=0, description="the same for an idle decode replica and arriving "
-                                         "handoffs: a burst starts decoding in one step; 0 = off")
-    decode_gather_gap_ms: float = Field(0.0, ge=0, description="the decode hold ends once no handoff has arrived for "
-                                        "this long; at most decode_gather_wait_ms")
+                                         "handoffs and short prompts (local_prefill_tokens): a burst starts decoding "
+                                         "in one step; 0 = off")
+    decode_gather_gap_ms: float = Field(0.0, ge=0, description="the decode hold ends once no handoff or prompt has "
+                                        "arrived for this long; at most decode_gather_wait_ms")
     prefill_share: float = Field(0.25, gt=0, le=1, description="most of a decode step's time that prefill of new "
                                  "requests may take where the two share a CPU: in one engine, a step that decodes "
                                  "takes only the prompt tokens that fit this share at its measured costs (chunked "
@@ -62,16 +63,17 @@ class PoolConfig(_Strict):
                                  "matching number of nice levels (0.25: 5) below its process's, at most 19, and "
                                  "under SCHED_IDLE where that is not low enough (Ray's workers start at nice 15: "
                                  "see docs/architecture.md). 1 = no limit")
-    local_prefill_tokens: int = Field(0, ge=0, description="a prompt of at most this many tokens, sent while no "
-                                      "other request of the pool is in flight through the ingress, skips the prefill "
-                                      "deployment: the decode replica that streams it computes the prompt itself, "
-                                      "with no prefill hop, no state handoff and no cache lookup (a prompt this short "
-                                      "is cheaper to compute than to move): a lone request's first token comes "
-                                      "sooner. Under load a prefill replica beside a decoding one is faster (a decode "
-                                      "step takes prompt tokens only within prefill_share), and where replicas share "
-                                      "cores the head of a burst decoding early slows the burst's prefill; longer "
-                                      "prompts and every failover go through prefill. 0 = every prompt through "
-                                      "prefill (docs/architecture.md)")
+    local_prefill_tokens: int = Field(0, ge=0, description="a prompt of at most this many tokens skips the prefill "
+                                      "deployment when no other request of the pool is in flight through the ingress: "
+                                      "the decode replica that streams it computes the prompt itself, with no prefill "
+                                      "hop, no state handoff and no cache lookup (a prompt this short is cheaper to "
+                                      "compute than to move). Where the decode replicas gather (decode_gather_wait_ms), "
+                                      "a burst reaching the idle pool within that window is split: a short prompt goes "
+                                      "local while the burst's local prompt tokens are no more than those sent through "
+                                      "prefill (and fit one step), so the two replicas prefill it side by side. Later "
+                                      "requests, longer prompts and every failover go through prefill (a decoding "
+                                      "replica takes prompt tokens only within prefill_share). 0 = every prompt through "
+                                      "prefill (deployments/gateway/local_prefill.py)")
     request_timeout_s: float = Field(600.0, gt=0, description="end-to-end deadline of one request in this pool, "
                                      "failovers included (the frontend enforces it; past it: 504)")
     max_queued_requests: int = Field(64, gt=0, description="requests an ingress replica holds waiting for a free "
@@ -184,14 +186,17 @@ def _default_pools() -> dict[str, PoolConfig]:
         # decode -> ingress -> proxy -> client hops (benchmarks/results/serving.md, a); highspeed: 20 ms (a chunk per
         # token costs more CPU outside the engine than its small decode step).
         # standard also gathers a burst of arrivals into one prefill step (up to 100 ms; a lone request waits 30 ms),
-        # and a burst of handoffs into one first decode step (up to 60 ms; a lone one waits 10 ms): the decode
-        # replica takes a burst in without decode steps competing for its CPU and GIL (serving.md, a).
+        # and into one first decode step (the same window): the decode replica takes a burst in without decode steps
+        # competing for its CPU and GIL (serving.md, a). A burst of short prompts is split between the two: every
+        # other one is prefilled by the decode replica itself, the rest by the prefill replica beside it
+        # (deployments/gateway/local_prefill.py; benchmarks/results/local_prefill_standard.md).
         "standard": PoolConfig(max_num_seqs=32, max_num_batched_tokens=1024, ttft_slo_ms=4000, tpot_slo_ms=400,
                                stream_interval_ms=100, prefill_gather_wait_ms=100, prefill_gather_gap_ms=30,
-                               decode_gather_wait_ms=60, decode_gather_gap_ms=10,
+                               decode_gather_wait_ms=100, decode_gather_gap_ms=30, local_prefill_tokens=256,
                                price=PriceConfig(input=0.60, cached_input=0.15, output=2.50)),
         # highspeed: a short prompt with nothing else of the pool in flight goes straight to decode (a lone request's
-        # TTFT; benchmarks/results/local_prefill_highspeed.md); standard, tuned for bursts, always prefills on prefill.
+        # TTFT; benchmarks/results/local_prefill_highspeed.md); its decode replicas do not gather, so the rest of a
+        # burst goes through prefill.
         "highspeed": PoolConfig(max_num_seqs=4, max_num_batched_tokens=256, ttft_slo_ms=1000, tpot_slo_ms=100,
                                 stream_interval_ms=20, request_timeout_s=300, local_prefill_tokens=256,
                                 # the premium tier: fewer sequences per replica, so each token costs more hardware

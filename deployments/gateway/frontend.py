@@ -37,6 +37,7 @@ from model.tokenizer import Tokenizer, encode_chat, stop_token_ids
 from deployments.engine.logprobs import TokenLogprob
 from deployments.observability import tracing
 from deployments.gateway.affinity import routing_keys
+from deployments.gateway.local_prefill import LocalPrefill, LocalPrefillLimits
 from deployments.gateway.protocol import (DEFAULT_REQUEST_TIMEOUT_S, HIGHSPEED_SUFFIX, SEED_MAX, SEED_MIN, CompletionInput,
                                           Finished, ModelCard, RequestLimits, TextDelta, TokenAlternative, TokenLogprobs,
                                           Usage, total_usage)
@@ -144,7 +145,7 @@ class Frontend:
         observers: list[RequestObserver] | None = None,
         prices: Mapping[str, Price] | None = None,
         affinity_block_size: int | None = None,
-        local_prefill_tokens: Mapping[str, int] | None = None,
+        local_prefill_tokens: Mapping[str, int | LocalPrefillLimits] | None = None,
     ) -> None:
         """``request_timeout_s``: each pool's end-to-end deadline, seconds (a pool not named:
         :data:`~deployments.gateway.protocol.DEFAULT_REQUEST_TIMEOUT_S`). ``prices``: each pool's
@@ -173,7 +174,9 @@ class Frontend:
         self.observers: list[RequestObserver] = list(observers or [])
         self.prices: dict[str, Price] = dict(prices or {})
         self.affinity_block_size = affinity_block_size
-        self.local_prefill_tokens: dict[str, int] = dict(local_prefill_tokens or {})
+        self.local_prefill = LocalPrefill({
+            pool: lim if isinstance(lim, LocalPrefillLimits) else LocalPrefillLimits(lim)
+            for pool, lim in (local_prefill_tokens or {}).items()})
         self._in_flight: dict[str, int] = {}  # choices of each pool between their start and their end
 
     def _observe(self, record: RequestRecord) -> None:
@@ -429,11 +432,10 @@ class Frontend:
     async def _choice(self, inp: CompletionInput, plan: _Plan, index: int, carrier: dict, span, produced: list[int],
                       t0: float, record: RequestRecord) -> AsyncIterator[TextDelta | Finished]:
         """One choice of the request, with failover, inside the request's deadline; counted in flight meanwhile."""
-        alone = not self._in_flight.get(plan.pool)
+        local_ok = self.local_prefill.admit(plan.pool, len(plan.ids), self._in_flight.get(plan.pool, 0), time.monotonic())
         self._in_flight[plan.pool] = self._in_flight.get(plan.pool, 0) + 1
         try:
-            async for ev in self._attempts(inp, plan, index, carrier, span, produced, t0, record,
-                                           local_ok=alone and len(plan.ids) <= self.local_prefill_tokens.get(plan.pool, 0)):
+            async for ev in self._attempts(inp, plan, index, carrier, span, produced, t0, record, local_ok=local_ok):
                 yield ev
         finally:
             self._in_flight[plan.pool] -= 1

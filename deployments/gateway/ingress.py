@@ -12,6 +12,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.config import PlatformConfig, redis_url
 from deployments.gateway.frontend import Frontend
+from deployments.gateway.local_prefill import LocalPrefillLimits
 from deployments.gateway.grpc_ingress import GrpcInferenceMixin
 from deployments.gateway.routing import request_router_options
 from deployments.gateway.http_ingress import IngressRoutes, app as http_app
@@ -58,7 +59,7 @@ class Ingress(IngressRoutes, GrpcInferenceMixin):
             observers=[RequestMetrics.from_config(config), self.ledger],
             prices=prices_of(config.pools),
             affinity_block_size=config.cache.block_size if request_router_options(config) else None,
-            local_prefill_tokens={pool: pc.local_prefill_tokens for pool, pc in config.pools.items()},
+            local_prefill_tokens={pool: LocalPrefillLimits.of_pool(pc) for pool, pc in config.pools.items()},
         )
         self.prefill, self.decode = prefill, decode
         self.cache_admin = cache_admin  # bound here so it is part of the application

@@ -3,7 +3,7 @@
 Against a real `deltaserve up`: a long greedy stream (``max_tokens`` 2,000, ``ignore_eos``) is
 started over HTTP (SSE) or gRPC (``GenerateStream``), a few chunks are read, then the client
 closes the connection / cancels the call; or a non-streamed completion is sent over a raw socket
-and the socket closed once decode is under way. On both pools: on highspeed the short prompt, alone in
+and the socket closed once decode is under way. On both pools: the short prompt, alone in
 flight, is prefilled on the decode replica itself (``local_prefill_tokens``). The pool's decode replica's ``stats()`` (read over a
 Serve handle from a Ray driver joined to the platform's cluster) must show the sequence running
 while the stream flows, and no running sequence and every slot free again within 2 s of the

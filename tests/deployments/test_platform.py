@@ -44,9 +44,10 @@ def platform(tmp_path_factory):
     hs = config.pools["highspeed"].model_copy(update={"stream_interval_ms": 0})
     config = config.model_copy(update={"pools": {**config.pools, "highspeed": hs}})
     # pool mode: the standard pool only (its tests use no other; two engine replicas fewer to start), looking for
-    # new expert-pool replicas every second (default 30 s)
-    pool_config = config.model_copy(update={"expert_mode": "pool", "expert_pool_discovery_s": 1.0,
-                                            "pools": {"standard": config.pools["standard"]}})
+    # new expert-pool replicas every second (default 30 s); every prompt through prefill, so that both the prefill
+    # and the decode replica call the expert pool for each request
+    pool_config = config.model_copy(update={"expert_mode": "pool", "expert_pool_discovery_s": 1.0, "pools": {
+        "standard": config.pools["standard"].model_copy(update={"local_prefill_tokens": 0})}})
     start(config, extra_apps=[("pool-mode", "/pool", pool_config)])
     yield {"config": config, "pool_config": pool_config, "alice": alice, "bob": bob, "carol": carol,
            "http": f"http://127.0.0.1:{config.http_port}", "grpc": f"127.0.0.1:{config.grpc_port}"}
@@ -284,31 +285,53 @@ def test_grpc_errors(platform, key, model, code):
     assert e.value.code() == code
 
 
-def test_only_a_lone_short_highspeed_prompt_is_prefilled_on_decode(platform, reference):
-    """Standard (``local_prefill_tokens`` 0) always prefills on prefill: its decode replica never runs a prompt
-    forward. Highspeed (256): a short prompt with nothing else of the pool in flight goes straight to
-    decode-highspeed through Serve (``DecodeRequest.first_token`` None), one over the threshold through prefill;
-    both stream what the model alone generates."""
+def _prompt_tokens_computed(kind: str, pool: str) -> int:
     from ray import serve
 
-    def computed(kind: str, pool: str) -> int:
-        h = serve.get_deployment_handle(f"{kind}-{pool}", app_name="deltaserve")
-        return h.stats.remote().result()["prompt_tokens_computed"]
+    h = serve.get_deployment_handle(f"{kind}-{pool}", app_name="deltaserve")
+    return h.stats.remote().result()["prompt_tokens_computed"]
 
-    assert platform["config"].pools["highspeed"].local_prefill_tokens == 256
-    assert platform["config"].pools["standard"].local_prefill_tokens == 0
+
+def test_a_lone_short_prompt_is_prefilled_on_decode(platform, reference):
+    """Both pools (``local_prefill_tokens`` 256): a short prompt with nothing else of the pool in flight goes straight
+    to the decode replica through Serve (``DecodeRequest.first_token`` None), one over the threshold through
+    prefill; both stream what the model alone generates."""
+    assert {p: c.local_prefill_tokens for p, c in platform["config"].pools.items()} == {"standard": 256,
+                                                                                       "highspeed": 256}
     client = _client(platform)
-    client.completions.create(model="tiny", prompt="x" * 40, max_tokens=4)
-    assert computed("decode", "standard") == 0
-    assert computed("prefill", "standard") >= 40
-    for prompt, local in (("def f(x):\n    return", True), ("# a long comment line\n" * 14, False)):
-        before = {k: computed(k, "highspeed") for k in ("prefill", "decode")}
-        out = client.completions.create(model="tiny-highspeed", prompt=prompt, max_tokens=12, temperature=0,
-                                        extra_body={"ignore_eos": True})
-        n = out.usage.prompt_tokens
-        assert (n <= 256) == local and out.choices[0].text == _text(reference(prompt, 12))
-        grew = {k: computed(k, "highspeed") - before[k] for k in before}
-        assert grew == ({"prefill": 0, "decode": n} if local else {"prefill": n, "decode": 0}), (local, grew)
+    for model, pool in (("tiny", "standard"), ("tiny-highspeed", "highspeed")):
+        for prompt, local in (("def f(x):\n    return", True), ("# a long comment line\n" * 14, False)):
+            before = {k: _prompt_tokens_computed(k, pool) for k in ("prefill", "decode")}
+            out = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0,
+                                            extra_body={"ignore_eos": True})
+            n = out.usage.prompt_tokens
+            assert (n <= 256) == local and out.choices[0].text == _text(reference(prompt, 12))
+            grew = {k: _prompt_tokens_computed(k, pool) - before[k] for k in before}
+            assert grew == ({"prefill": 0, "decode": n} if local else {"prefill": n, "decode": 0}), (pool, local, grew)
+
+
+def test_a_standard_burst_is_prefilled_by_decode_and_prefill_side_by_side(platform, reference):
+    """16 concurrent 100-token prompts reach the idle standard pool: the first goes to the decode replica (nothing in
+    flight), and within the decode replica's gather window the rest are split between it (at most one step of it,
+    1,024 tokens) and the prefill replica, so both compute part of the burst (the second request always goes
+    through prefill: the decode side is ahead by then). Every stream is what the model alone generates."""
+    pool = platform["config"].pools["standard"]
+    prompts = [(f"# burst request {i}\n" + "x = [i * i for i in range(10)]\n" * 8)[:100] for i in range(16)]
+    before = {k: _prompt_tokens_computed(k, "standard") for k in ("prefill", "decode")}
+
+    def one(prompt):
+        stream = _client(platform).completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                                      stream=True, extra_body={"ignore_eos": True})
+        return "".join(c.choices[0].text for c in stream if c.choices)
+
+    with cf.ThreadPoolExecutor(16) as ex:
+        got = list(ex.map(one, prompts))
+    grew = {k: _prompt_tokens_computed(k, "standard") - before[k] for k in before}
+    n = [len(_ids(p)) for p in prompts]
+    assert sum(grew.values()) == sum(n), grew  # every prompt computed once, on one side
+    assert min(n) <= grew["decode"] <= pool.max_num_batched_tokens and grew["prefill"] >= min(n), grew
+    for prompt, text in zip(prompts, got):
+        assert text == _text(reference(prompt, 8))
 
 
 def test_concurrent_streams_match_alone(platform, reference):
@@ -383,8 +406,9 @@ def test_state_handoff_prefill_to_decode_and_a_lost_reference_is_handoff_lost(pl
 def test_spans_form_ingress_prefill_decode_chain(platform):
     from ray import serve
 
-    out = _client(platform).completions.create(model="tiny", prompt="trace me", max_tokens=3, temperature=0,
-                                               extra_body={"ignore_eos": True})  # always reaches decode
+    # longer than local_prefill_tokens (256): through prefill; greedy and ignore_eos: it always reaches decode
+    out = _client(platform).completions.create(model="tiny", prompt="trace me " * 32, max_tokens=3, temperature=0,
+                                               extra_body={"ignore_eos": True})
     ingress = serve.get_deployment_handle("ingress", app_name="deltaserve")
     spans = ingress.debug_spans.remote().result()
     root = next(s for s in spans["ingress"] if s["name"] == "ingress" and s["attributes"].get("deltaserve.request_id") == out.id)
@@ -395,6 +419,15 @@ def test_spans_form_ingress_prefill_decode_chain(platform):
     # one clock on one machine: the hops nest in time (the timeline of a request, epoch nanoseconds)
     assert root["start_ns"] <= pre[0]["start_ns"] <= pre[0]["end_ns"] <= dec[0]["start_ns"] <= dec[0]["end_ns"] <= root["end_ns"]
     assert root["attributes"]["deltaserve.tenant"] == "alice" and root["attributes"]["deltaserve.pool"] == "standard"
+    assert not dec[0]["attributes"]["deltaserve.local_prefill"]
+    # a short prompt alone in flight skips prefill: ingress -> decode, the decode span says so
+    out = _client(platform).completions.create(model="tiny", prompt="trace me", max_tokens=3, temperature=0,
+                                               extra_body={"ignore_eos": True})
+    spans = ingress.debug_spans.remote().result()
+    root = next(s for s in spans["ingress"] if s["name"] == "ingress" and s["attributes"].get("deltaserve.request_id") == out.id)
+    assert not [s for s in spans["prefill-standard"] if s["trace_id"] == root["trace_id"]]
+    [dec] = [s for s in spans["decode-standard"] if s["trace_id"] == root["trace_id"] and s["name"] == "decode"]
+    assert dec["parent_id"] == root["span_id"] and dec["attributes"]["deltaserve.local_prefill"]
 
 
 def test_expert_pool_hops_have_spans_under_prefill_and_decode(platform):

@@ -117,5 +117,5 @@ def test_hang_up_mid_stream_frees_the_decode_slot(shared_platform: Platform, tra
         assert took <= FREED_WITHIN_S, f"the slot came back {took:.1f} s after the hang-up (limit {FREED_WITHIN_S} s)"
         assert stats["aborted"] == aborted_before + 1, stats
         assert stats["decode_tokens"] - idle["decode_tokens"] < LONG // 2, (idle, stats)
-        # highspeed computed the lone short prompt on the decode replica (the stream the client left was that one)
-        assert (_decode_stats(prefill)["prompt_tokens_computed"] == prefilled) == (pool == "highspeed")
+        # both pools computed the lone short prompt on the decode replica (the stream the client left was that one)
+        assert _decode_stats(prefill)["prompt_tokens_computed"] == prefilled

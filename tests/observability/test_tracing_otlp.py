@@ -316,10 +316,12 @@ class Traced:
 def traced(tmp_path_factory) -> Iterator[Traced]:
     """`deltaserve up --expert-mode pool --replicas decode-standard=2` with the cache, exporting OTLP/gRPC
     to a receiver in this process (batches every 200 ms); the highspeed pool's deadline is
-    :data:`HIGHSPEED_DEADLINE_S`."""
+    :data:`HIGHSPEED_DEADLINE_S`. Standard sends every prompt through prefill (``local_prefill_tokens`` 0): these
+    tests follow the ingress -> prefill -> decode chain (the local path's spans: tests/deployments/test_platform.py)."""
     workdir = tmp_path_factory.mktemp("traced")
     config = PlatformConfig().model_dump(mode="json")
     config["pools"]["highspeed"]["request_timeout_s"] = HIGHSPEED_DEADLINE_S
+    config["pools"]["standard"]["local_prefill_tokens"] = 0
     (workdir / "platform.json").write_text(json.dumps(config))
     receiver = GrpcReceiver()
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",

@@ -13,8 +13,8 @@ gather window it had before bursts were split: 60 / 10 ms, not 100 / 30).
 
 * lone requests: ``--lone`` requests one after another (each waits for the last to end), ``--prompt-chars``-
   character prompts x ``--lone-tokens`` new tokens: TTFT and end-to-end time, client side;
-* bursts: ``--waves`` waves of ``--streams`` concurrent streams of the same prompts x 64 new tokens: output
-  tokens/s and TTFT p50.
+* bursts: ``--waves`` waves of ``--streams`` concurrent streams (default 16, at most the pool's ``max_num_seqs``)
+  of the same prompts x 64 new tokens: output tokens/s and TTFT p50.
 
 All greedy, ``ignore_eos``. Medians per setting; ratios to the second setting.
 
@@ -84,13 +84,15 @@ def main() -> int:
     ap.add_argument("--lone", type=int, default=20, help="lone requests per start (after 3 warm-up ones)")
     ap.add_argument("--lone-tokens", type=int, default=16)
     ap.add_argument("--waves", type=int, default=3, help="timed burst waves per start (after one warm-up wave)")
-    ap.add_argument("--streams", type=int, default=16, help="streams per burst")
+    ap.add_argument("--streams", type=int, default=None, help="streams per burst (default: 16, at most the pool's "
+                    "max_num_seqs)")
     ap.add_argument("--prompt-chars", type=int, default=100, help="prompt length (the byte tokenizer: ~1 token each)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out-dir", type=Path, default=None)
     args = ap.parse_args()
 
     pool = "highspeed" if args.model.endswith("-highspeed") else "standard"
+    args.streams = args.streams or min(16, PlatformConfig().pools[pool].max_num_seqs)
     tmp, key = bench_tenant("bench_local_prefill_", pools=(pool,))
     cfg_dir = Path(tempfile.mkdtemp(prefix="bench_local_prefill_cfg_"))
     modes = settings(pool)

@@ -195,8 +195,8 @@ def _default_pools() -> dict[str, PoolConfig]:
                                decode_gather_wait_ms=100, decode_gather_gap_ms=30, local_prefill_tokens=256,
                                price=PriceConfig(input=0.60, cached_input=0.15, output=2.50)),
         # highspeed: a short prompt with nothing else of the pool in flight goes straight to decode (a lone request's
-        # TTFT; benchmarks/results/local_prefill_highspeed.md); its decode replicas do not gather, so the rest of a
-        # burst goes through prefill.
+        # end-to-end time, a small burst's TTFT: benchmarks/results/local_prefill_highspeed.md); its decode replicas do
+        # not gather, so the rest of a burst goes through prefill.
         "highspeed": PoolConfig(max_num_seqs=4, max_num_batched_tokens=256, ttft_slo_ms=1000, tpot_slo_ms=100,
                                 stream_interval_ms=20, request_timeout_s=300, local_prefill_tokens=256,
                                 # the premium tier: fewer sequences per replica, so each token costs more hardware

@@ -199,7 +199,8 @@ _panels = _PerWeight()
 
 def _panel_pack(wt: torch.Tensor) -> torch.Tensor | None:
     """``wt`` packed for the panel kernel, or None where the kernel never takes it (kept per weight like the pack)."""
-    if wt.dim() != 2 or wt.shape[0] < PANEL_MIN_K or wt.dtype != torch.float32 or not wt.is_contiguous():
+    if (wt.dim() != 2 or wt.shape[0] < PANEL_MIN_K or wt.dtype != torch.float32 or wt.device.type != "cpu"
+            or not wt.is_contiguous()):
         return None
     return gemm_cpu.pack(wt) if gemm_cpu.available() else None
 
@@ -208,8 +209,9 @@ def panel_linear(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None = 
     """``x @ wt + bias`` through the C panel kernel with ``wt`` ([in, out], fp32 CPU, contiguous) packed on first use
     and kept while it lives unchanged; None where the kernel does not apply (the caller uses mm): the kernels are
     off or unbuilt, torch runs more than one thread, ``wt`` has fewer than :data:`PANEL_MIN_K` rows, or a tensor is
-    not in the layout the kernel takes. The weight's checks run once, when it is packed."""
-    if x.shape[0] == 0 or torch.get_num_threads() != 1:
+    not in the layout the kernel takes, or the shapes do not fit (mm then raises its own error). The weight's checks
+    run once, when it is packed; the kernel reads ``x`` by the weight's input count, so that count is checked here."""
+    if x.dim() != 2 or x.shape[0] == 0 or wt.dim() != 2 or x.shape[1] != wt.shape[0] or torch.get_num_threads() != 1:
         return None
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous() or bias.shape != wt.shape[1:]):
         return None

@@ -65,6 +65,14 @@ def test_with_more_torch_threads_or_few_inputs_it_leaves_the_product_to_mm():
         torch.set_num_threads(before)
 
 
+def test_a_product_whose_shapes_do_not_fit_is_left_to_mm_and_its_error():
+    wt = torch.randn(fused.PANEL_MIN_K, 64)
+    x = torch.randn(4, fused.PANEL_MIN_K + 8)  # more inputs than the weight has: the kernel would read past rows
+    assert fused.panel_linear(x, wt) is None
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        fused.linear_t(x, wt)
+
+
 def test_bad_arguments_are_named():
     wt = torch.randn(64, 40)
     with pytest.raises(ValueError, match="pack: wt: a contiguous 2-D fp32 CPU tensor is needed, got torch.float64"):

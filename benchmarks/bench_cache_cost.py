@@ -14,9 +14,9 @@ this benchmark starts given as ``DELTASERVE_REDIS_URL`` in the other), so the ca
 
 Before the platform starts, the same burst in this process on one ``Engine`` (the standard pool's token budget,
 one torch thread), prefill only, three ways in rotating order, ``--reps`` rounds after a warm-up round: with the
-replicas' ``CheckpointPlan`` and the prompt's KDA state taken inside its chunk (what the replicas run), with the
-plan and each prompt's chunk cut at its last full block (what runs without the KDA layers' native prefill, and
-what ran before), and without a plan. Per step: prompt tokens computed and requests finished (their first
+replicas' ``CheckpointPlan`` and the prompt's KDA states taken inside its chunks (what the replicas run), with the
+plan and each prompt's chunks cut at its KDA checkpoint positions (what runs without the KDA layers' native
+prefill), and without a plan. Per step: prompt tokens computed and requests finished (their first
 token), and when the median request finished.
 
 Writes ``benchmarks/results/cache_cost.{json,md}``.
@@ -47,7 +47,7 @@ COMMAND = ".venv/bin/python benchmarks/bench_cache_cost.py"
 MODES = ("cache on", "cache off")
 
 
-ENGINE_MODES = ("plan, state inside the chunk", "plan, chunk cut at the block", "no plan")
+ENGINE_MODES = ("plan, states inside the chunks", "plan, chunks cut at the checkpoints", "no plan")
 
 
 def engine_bursts(args, text: str) -> dict[str, list[dict]]:
@@ -60,7 +60,7 @@ def engine_bursts(args, text: str) -> dict[str, list[dict]]:
     from model.runner import ModelRunner
 
     class CutRunner(ModelRunner):
-        snapshots_in_step = False  # the engine then cuts each prompt's chunk at its last full block
+        snapshots_in_step = False  # the engine then cuts each prompt's chunks at its KDA checkpoint positions
 
     torch.set_num_threads(1)
     config = PlatformConfig()
@@ -170,8 +170,8 @@ def main() -> int:
         f"{time.monotonic() - t_start:.0f} s on the machine's 2 shared cores: compare the settings, not absolute figures.",
         "",
         f"In process, one Engine, the same burst (prefill only): the median request has its first token after "
-        f"{engine_med[ENGINE_MODES[0]]:.3f} s with the plan and the prompt's KDA state taken inside its chunk, "
-        f"{engine_med[ENGINE_MODES[1]]:.3f} s with the chunk cut at the prompt's last full block and "
+        f"{engine_med[ENGINE_MODES[0]]:.3f} s with the plan and the prompt's KDA states taken inside its chunks, "
+        f"{engine_med[ENGINE_MODES[1]]:.3f} s with its chunks cut at the checkpoint positions and "
         f"{engine_med[ENGINE_MODES[2]]:.3f} s without a plan (**{ratios['engine_inside_vs_no_plan']:.2f}x** and "
         f"**{ratios['engine_cut_vs_no_plan']:.2f}x** the no-plan time). Per step, prompt tokens computed / requests "
         "finished:",

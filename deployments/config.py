@@ -65,15 +65,16 @@ class PoolConfig(_Strict):
                                  "see docs/architecture.md). 1 = no limit")
     local_prefill_tokens: int = Field(0, ge=0, description="a prompt of at most this many tokens skips the prefill "
                                       "deployment when no other request of the pool is in flight through the ingress: "
-                                      "the decode replica that streams it computes the prompt itself, with no prefill "
-                                      "hop, no state handoff and no cache lookup (a prompt this short is cheaper to "
-                                      "compute than to move). Where the decode replicas gather (decode_gather_wait_ms), "
-                                      "a burst reaching the idle pool within that window is split: a short prompt goes "
+                                      "the decode replica that streams it computes the prompt itself (from the longest "
+                                      "cached prefix, as prefill would), with no prefill hop and no state handoff. Where "
+                                      "the decode replicas gather (decode_gather_wait_ms), a burst reaching the idle "
+                                      "pool within that window is split: a prompt of up to max_num_batched_tokens goes "
                                       "local while the burst's local prompt tokens are no more than those sent through "
-                                      "prefill (and fit one step), so the two replicas prefill it side by side. Later "
-                                      "requests, longer prompts and every failover go through prefill (a decoding "
-                                      "replica takes prompt tokens only within prefill_share). 0 = every prompt through "
-                                      "prefill (deployments/gateway/local_prefill.py)")
+                                      "prefill, so the two replicas prefill it side by side (the decode replica at its "
+                                      "whole token budget). Later requests, a lone longer prompt and every failover go "
+                                      "through prefill (a decoding replica takes their prompt tokens only within "
+                                      "prefill_share). 0 = every prompt through prefill "
+                                      "(deployments/gateway/local_prefill.py)")
     request_timeout_s: float = Field(600.0, gt=0, description="end-to-end deadline of one request in this pool, "
                                      "failovers included (the frontend enforces it; past it: 504)")
     max_queued_requests: int = Field(64, gt=0, description="requests an ingress replica holds waiting for a free "

@@ -84,8 +84,9 @@ class ModelRunner:
         self._free = list(range(num_slots - 1, -1, -1))
         # Build (or load from the disk cache) the native CPU kernels now, not inside the first step.
         self.native_kernels = native_kernels() if self.model.device.type == "cpu" else {}
-        # the KDA states and conv tails the last step took inside its chunks (step's snap_at), by slot
-        self.step_snapshots: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        # the KDA states and conv tails the last step took inside its chunks (step's snap_at): by slot, one
+        # (states, tails) per offset, in the offsets' order
+        self.step_snapshots: dict[int, list[tuple[list[torch.Tensor], list[torch.Tensor]]]] = {}
 
     # -- slots ----------------------------------------------------------------
     @property
@@ -128,12 +129,13 @@ class ModelRunner:
                 and fused.PREFILL and fused.NATIVE and kda_cpu.available())
 
     @torch.inference_mode()
-    def step(self, slots: list[int], chunks: list[list[int]], snap_at: list[int] | None = None) -> torch.Tensor:
+    def step(self, slots: list[int], chunks: list[list[int]], snap_at: list | None = None) -> torch.Tensor:
         """One forward over ``chunks[i]`` appended to ``slots[i]``; logits at each chunk's last token [N, V].
 
-        ``snap_at[i]``: 0, or an offset inside ``chunks[i]`` (needs :attr:`snapshots_in_step`): the KDA states and
-        conv tails of ``slots[i]`` after that many of the chunk's tokens land in :attr:`step_snapshots`, ``slot ->
-        (states, tails)``, one tensor per KDA layer as :meth:`~model.state.StatePool.kda_snapshot` gives them."""
+        ``snap_at[i]``: offsets inside ``chunks[i]`` (increasing; an int: 0 for none, or one offset; needs
+        :attr:`snapshots_in_step`): the KDA states and conv tails of ``slots[i]`` after that many of the chunk's
+        tokens land in :attr:`step_snapshots`, ``slot -> [(states, tails)]`` one pair per offset, one tensor per KDA
+        layer as :meth:`~model.state.StatePool.kda_snapshot` gives them."""
         layout = BatchLayout.make(slots, [self.lengths[s] for s in slots], [len(c) for c in chunks], device=self.model.device,
                                   snap_at=snap_at or ())
         if layout.snap_at and not self.snapshots_in_step:
@@ -145,9 +147,11 @@ class ModelRunner:
         n_kda = len(self.pool.kda_state)
         self.step_snapshots = {}
         for slot, by_layer in layout.snapshots.items():
-            if sorted(by_layer) != list(range(n_kda)):
-                raise RuntimeError(f"slot {slot}: KDA states inside the chunk from layers {sorted(by_layer)} of {n_kda} (a bug)")
-            self.step_snapshots[slot] = ([by_layer[i][0] for i in range(n_kda)], [by_layer[i][1] for i in range(n_kda)])
+            if sorted(by_layer) != list(range(n_kda)) or len({len(v) for v in by_layer.values()}) != 1:
+                raise RuntimeError(f"slot {slot}: KDA states inside the chunk from layers "
+                                   f"{ {i: len(v) for i, v in by_layer.items()} } of {n_kda} (a bug)")
+            self.step_snapshots[slot] = [([by_layer[i][k][0] for i in range(n_kda)], [by_layer[i][k][1] for i in range(n_kda)])
+                                         for k in range(len(by_layer[0]))]
         return self.model.lm_head(hidden.index_select(0, layout.last_token_index)).float()
 
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:

@@ -36,13 +36,15 @@ class BatchLayout:
     lengths: tuple[int, ...]  # new tokens of each sequence in this chunk
     cu_seqlens: torch.Tensor  # [N+1] int64 offsets into the packed token axis
     slot_index: torch.Tensor  # [N] int64, the slots as a tensor
-    # per sequence, 0 or an offset inside its chunk (0 < offset < length) at which each KDA layer copies the slot's
-    # recurrent state and conv tails into ``snapshots`` (the state after that many of the chunk's tokens)
-    snap_at: tuple[int, ...] = ()
-    snapshots: dict = field(default_factory=dict, compare=False)  # slot -> {KDA layer index: (state, conv tails)}
+    # per sequence, the offsets inside its chunk (each 0 < offset < length, increasing; () for none) at which each KDA
+    # layer copies the slot's recurrent state and conv tails into ``snapshots`` (the state after that many of the
+    # chunk's tokens)
+    snap_at: tuple[tuple[int, ...], ...] = ()
+    snapshots: dict = field(default_factory=dict, compare=False)  # slot -> {KDA layer index: [(state, conv tails)]}
 
     @classmethod
     def make(cls, slots, starts, lengths, device: torch.device | str = "cpu", snap_at=()) -> "BatchLayout":
+        """``snap_at[i]``: the offsets for sequence i, a sequence of ints, or one int (0: none)."""
         slots, starts, lengths = tuple(map(int, slots)), tuple(map(int, starts)), tuple(map(int, lengths))
         if not (len(slots) == len(starts) == len(lengths)) or not slots:
             raise ValueError(f"slots/starts/lengths must be non-empty and equal length, got {slots}, {starts}, {lengths}")
@@ -50,9 +52,10 @@ class BatchLayout:
             raise ValueError(f"a slot appears twice in one batch: {slots}")
         if min(lengths) < 1 or min(starts) < 0:
             raise ValueError(f"lengths must be >= 1 and starts >= 0, got lengths={lengths} starts={starts}")
-        snap_at = tuple(map(int, snap_at))
-        if snap_at and (len(snap_at) != len(lengths) or any(o != 0 and not 0 < o < n for o, n in zip(snap_at, lengths))):
-            raise ValueError(f"snap_at must give each sequence 0 or an offset inside its chunk, got {snap_at} for "
+        snap_at = tuple((() if int(o) == 0 else (int(o),)) if isinstance(o, int) else tuple(map(int, o)) for o in snap_at)
+        if snap_at and (len(snap_at) != len(lengths) or any(
+                list(o) != sorted(set(o)) or any(not 0 < x < n for x in o) for o, n in zip(snap_at, lengths))):
+            raise ValueError(f"snap_at must give each sequence increasing offsets inside its chunk, got {snap_at} for "
                              f"lengths {lengths}")
         cu = torch.zeros(len(lengths) + 1, dtype=torch.int64)
         cu[1:] = torch.tensor(lengths).cumsum(0)

@@ -175,6 +175,7 @@ class Engine:
         cached_prefix: SequenceState | None = None,
         replay_ids: list[int] | tuple[int, ...] = (),
         checkpoint_plan: CheckpointPlan | None = None,
+        full_budget: bool = False,
     ) -> None:
         """Queue a request.
 
@@ -202,6 +203,10 @@ class Engine:
 
         ``keep_state_on_finish``: the final output (stop or length) carries the state after
         the computed tokens, in host memory.
+
+        ``full_budget``: the prompt's chunks take the step's whole token budget even in steps that
+        decode (the prefill share's cap does not apply to them; see :meth:`prefill_cap`): for a prompt
+        the caller wants prefilled now, e.g. a decode replica's share of a burst on an idle pool.
 
         ``continues``: the request goes on elsewhere after it reaches ``max_tokens`` here (a
         prefill handoff): that final output releases only the text a continuing stream would
@@ -245,6 +250,7 @@ class Engine:
         seq = Sequence(req, self.tokenizer, max_model_len=self.config.max_model_len, keep_state_on_finish=keep_state_on_finish,
                        replay_ids=replay_ids, checkpoint_plan=checkpoint_plan, continues=continues)
         seq.snapshot_in_step = checkpoint_plan is not None and self.runner.snapshots_in_step
+        seq.full_budget = full_budget
         draws = len(replay_ids) + (resume_state is not None)
         for _ in range(draws if seq.generator is not None else 0):  # a draw consumes the same randomness whatever the logits
             sample(torch.zeros(1, vocab), req.sampling, seq.generator)
@@ -293,7 +299,9 @@ class Engine:
             return outputs
         prompt_before, decode_before = self.stats.prompt_tokens_computed, self.stats.decode_tokens
         try:
-            snap_at = [c.seq.snapshot_offset(len(c.token_ids)) for c in batch.chunks]
+            snap_at = [c.seq.snapshot_offsets(len(c.token_ids)) for c in batch.chunks]
+            for chunk, offsets in zip(batch.chunks, snap_at):
+                chunk.seq.step_snap_positions = tuple(chunk.seq.num_computed + o for o in offsets)
             logits = (self.runner.step(batch.slots, batch.token_chunks, snap_at=snap_at) if any(snap_at)
                       else self.runner.step(batch.slots, batch.token_chunks))
             self._postprocess(batch, logits, outputs, t)
@@ -383,21 +391,24 @@ class Engine:
             outputs.append(self._finish(seq) if seq.finish_reason is not None else seq.take_output())
 
     def _checkpoint(self, seq: Sequence) -> None:
-        """Cut the blocks a step completed, and the KDA state when it ended on a boundary."""
+        """Cut the blocks a step completed: up to each KDA state the step took inside the chunk, and up to its end,
+        with the KDA state when it ended on a boundary."""
         plan = seq.checkpoint_plan
         assert plan is not None and seq.slot is not None
         full = seq.num_computed // plan.block_size * plan.block_size
         kda = conv = None
-        inside = self.runner.step_snapshots.get(seq.slot) if seq.snapshot_in_step else None
-        if inside is not None and full > seq.kda_checkpointed:
-            # the step crossed the prompt's last full block and took its state there (Sequence.snapshot_offset); the
-            # chunk ended past it, within the same block
-            if full != seq.prompt_block_end:  # a state filed under another block's hash would poison the cache
-                raise RuntimeError(f"request {seq.request_id}: KDA state taken at {seq.prompt_block_end}, checkpoint "
-                                   f"at {full} (a bug)")
-            kda, conv = inside
-            seq.held_kda, seq.kda_checkpointed = None, full
-        elif seq.num_computed == full and full > seq.kda_checkpointed:
+        inside = self.runner.step_snapshots.get(seq.slot, []) if seq.step_snap_positions else []
+        if len(inside) != len(seq.step_snap_positions):
+            raise RuntimeError(f"request {seq.request_id}: {len(inside)} KDA states taken inside the step for positions "
+                               f"{seq.step_snap_positions} (a bug)")
+        for position, (kda_at, conv_at) in zip(seq.step_snap_positions, inside):
+            # the chunk crossed a checkpoint position (Sequence.snapshot_offsets) and the step took the state there
+            start = seq.checkpointed
+            seq.pending_checkpoints.append(Checkpoint(position, start, seq.token_ids[start:position],
+                                                      self.runner.pool.mla_rows(seq.slot, start, position), kda_at, conv_at))
+            seq.checkpointed, seq.kda_checkpointed, seq.held_kda = position, position, None
+        seq.step_snap_positions = ()
+        if seq.num_computed == full and full > seq.kda_checkpointed:
             kda, conv = self.runner.pool.kda_snapshot(seq.slot)
             prefilling = full <= seq.num_known_at_start  # chunks were cut to end here
             if not prefilling and full % plan.interval:

@@ -17,7 +17,8 @@ its chunks end on its KDA checkpoint positions (:meth:`Sequence.tokens_to_bounda
 most this many tokens together, so prefill of new requests cannot stretch a decode step beyond
 what the engine allows (:attr:`~deployments.engine.engine.EngineConfig.prefill_share`); a prompt
 then advances a smaller chunk per step, interleaved with decode. A step without decodes keeps the
-whole token budget.
+whole token budget, and so does a sequence added with ``full_budget`` (it neither takes from nor is
+held to that cap).
 
 Memory: only MLA latents grow with context, so the limit is ``max_cached_tokens``, the
 tokens held in the states of all running sequences after the step. When a running
@@ -128,7 +129,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # swapped out as a victim earlier in this loop
                 continue
-            n = min(seq.num_uncomputed, budget, seq.tokens_to_boundary(), budget if seq.is_decoding else prompt_left)
+            n = min(seq.num_uncomputed, budget, seq.tokens_to_boundary(), budget if _uncapped(seq) else prompt_left)
             if n == 0:
                 continue
             while cached + n > self.max_cached_tokens and seq.status is SequenceStatus.RUNNING:
@@ -141,10 +142,10 @@ class Scheduler:
                 in_step.add(id(seq))
                 budget -= n
                 cached += n
-                prompt_left -= 0 if seq.is_decoding else n
+                prompt_left -= 0 if _uncapped(seq) else n
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed, budget, seq.tokens_to_boundary(), budget if seq.is_decoding else prompt_left)
+            n = min(seq.num_uncomputed, budget, seq.tokens_to_boundary(), budget if _uncapped(seq) else prompt_left)
             if n == 0:
                 break  # its prompt waits for a step with room (FCFS: nothing behind it overtakes)
             if cached + seq.num_computed + n > self.max_cached_tokens:
@@ -158,7 +159,7 @@ class Scheduler:
                 seq.host_state = None
                 out.restored.append(seq)
             seq.slot, seq.status = slot, SequenceStatus.RUNNING
-            prompt_left -= 0 if seq.is_decoding else n
+            prompt_left -= 0 if _uncapped(seq) else n
             self.running.append(seq)
             out.chunks.append(ScheduledChunk(seq, seq.next_chunk(n)))
             budget -= n
@@ -203,3 +204,8 @@ def _to_host(state: SequenceState) -> SequenceState:
         state.fingerprint, state.position,
         [t.cpu() for t in state.kda], [t.cpu() for t in state.conv], [t.cpu() for t in state.mla],
     )
+
+
+def _uncapped(seq: Sequence) -> bool:
+    """Whether ``seq``'s chunk this step is outside the prefill cap: a decode token, or a ``full_budget`` prompt."""
+    return seq.is_decoding or seq.full_budget

@@ -66,9 +66,9 @@ class CheckpointPlan:
     request starts (its prompt), at the blocks ending before each ``extra`` position, and,
     while decoding, at every boundary, the latest held back and reported when the sequence
     finishes (the last full block of the turn). Prefill chunks are cut so they end on those
-    positions, except at the prompt's last full block when the runner takes KDA states inside a
-    chunk (``ModelRunner.snapshots_in_step``): the chunk that crosses it runs on, and its state there
-    is copied out in the step.
+    positions, unless the runner takes KDA states inside a chunk (``ModelRunner.snapshots_in_step``):
+    then chunks run on across them (a prompt is cut only by the token budget) and the states there
+    are copied out in the step.
     """
 
     block_size: int = 32
@@ -284,6 +284,7 @@ class Sequence:
     ) -> None:
         self.request = request
         self.continues = continues  # max_tokens hands the stream on (Engine.add_request's ``continues``)
+        self.full_budget = False  # prompt chunks ignore the prefill share's cap (Engine.add_request's ``full_budget``)
         self.status = SequenceStatus.WAITING
         self.slot: int | None = None  # runner slot while RUNNING
         self.host_state: SequenceState | None = None  # state while SWAPPED, or a handoff state before its restore
@@ -316,9 +317,10 @@ class Sequence:
         self.kda_checkpointed = 0  # position of the latest KDA checkpoint reported (or restored)
         self.held_kda: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None  # decode-time boundary state not reported yet
         self.pending_checkpoints: list[Checkpoint] = []
-        # the engine's runner takes KDA states inside a chunk (ModelRunner.snapshots_in_step): the chunk that reaches
-        # the prompt's last full block need not end there (tokens_to_boundary, snapshot_offset)
+        # the engine's runner takes KDA states inside a chunk (ModelRunner.snapshots_in_step): prompt chunks need not
+        # end on checkpoint positions (tokens_to_boundary, snapshot_offsets)
         self.snapshot_in_step = False
+        self.step_snap_positions: tuple[int, ...] = ()  # the positions of the states the current step takes inside
         self.first_step_at: float | None = None  # time.perf_counter() when the first step that computed it began
         if replay_ids:
             self._replay(list(replay_ids))
@@ -354,30 +356,34 @@ class Sequence:
         return self.num_known_at_start // plan.block_size * plan.block_size
 
     def tokens_to_boundary(self) -> int:
-        """Most tokens the next chunk may compute without crossing a KDA checkpoint position
-        (the checkpoint plan's interval, the positions it names, or the last full block of the tokens known at
-        start; that last one only without :attr:`snapshot_in_step`, which takes its state inside the chunk)."""
+        """Most tokens the next chunk may compute without crossing a KDA checkpoint position (the checkpoint plan's
+        interval, the positions it names, or the last full block of the tokens known at start); no limit with
+        :attr:`snapshot_in_step`, which takes the states at those positions inside the chunk."""
         plan = self.checkpoint_plan
-        if plan is None:
+        if plan is None or self.snapshot_in_step:
             return self.num_uncomputed
         p = self.num_computed
         nxt = (p // plan.interval + 1) * plan.interval
         last_full = self.prompt_block_end
-        stops = [e // plan.block_size * plan.block_size for e in plan.extra]
-        if not self.snapshot_in_step:
-            stops.append(last_full)
-        for stop in stops:
+        for stop in [e // plan.block_size * plan.block_size for e in plan.extra] + [last_full]:
             if p < stop <= last_full:
                 nxt = min(nxt, stop)
         return max(1, nxt - p)
 
-    def snapshot_offset(self, n: int) -> int:
-        """For a next chunk of ``n`` tokens: the offset inside it of the prompt's last full block when the chunk
-        crosses it and its KDA state is taken in the step (:attr:`snapshot_in_step`), else 0."""
-        if not self.snapshot_in_step or self.checkpoint_plan is None:
-            return 0
+    def snapshot_offsets(self, n: int) -> tuple[int, ...]:
+        """For a next chunk of ``n`` tokens: the offsets inside it of the KDA checkpoint positions it crosses (the
+        plan's interval, its named positions, the last full block of the tokens known at start) when their states
+        are taken in the step (:attr:`snapshot_in_step`), else ()."""
+        plan = self.checkpoint_plan
+        if not self.snapshot_in_step or plan is None:
+            return ()
         p, last_full = self.num_computed, self.prompt_block_end
-        return last_full - p if p < last_full < p + n and last_full > self.kda_checkpointed else 0
+        end = min(p + n - 1, last_full)  # positions strictly inside the chunk, within the known tokens' full blocks
+        lo = max(p, self.kda_checkpointed)
+        stops = set(range((lo // plan.interval + 1) * plan.interval, end + 1, plan.interval))
+        stops.update(e // plan.block_size * plan.block_size for e in plan.extra)
+        stops.add(last_full)
+        return tuple(q - p for q in sorted(stops) if lo < q <= end)
 
     @property
     def token_ids(self) -> list[int]:

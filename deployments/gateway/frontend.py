@@ -458,10 +458,7 @@ class Frontend:
                                   routing_keys=() if failures else plan.routing_keys)
             local = local_ok and not failures  # the decode replica computes the prompt (no prefill hop, no handoff)
             try:
-                if local:
-                    cached = 0
-                    if index == 0:
-                        record.cached_tokens = cached
+                if local:  # the first chunk says how much of the prompt the cache held
                     stream = self.backend.decode(plan.pool, DecodeRequest(preq, None, None, carrier))
                 else:
                     result = await self._hop(plan, self.backend.prefill(plan.pool, preq))
@@ -497,6 +494,10 @@ class Frontend:
                             break
                         n_out, replica = chunk.num_output_tokens, chunk.replica
                         produced[index] = n_out
+                        if chunk.cached_tokens is not None and cached is None:
+                            cached = chunk.cached_tokens
+                            if index == 0:
+                                record.cached_tokens = cached
                         emitted.extend(chunk.token_ids)
                         if chunk.text or chunk.token_ids:
                             t_first = t_first or time.monotonic()  # a local prefill's first token comes in a chunk

@@ -2,10 +2,11 @@
 
 A request arrives with the state after its prompt (from a prefill replica: bytes, a reference
 into Ray's object store, or a key in the cache service) and the first sampled token, and the
-engine decodes from there; or, for a short prompt (``PoolConfig.local_prefill_tokens``), with
-neither: the engine computes the prompt itself, in steps shared with the running streams under
-the pool's ``prefill_share``, and the stream's first chunk carries the first token (no prefill
-hop, no state handoff; see docs/architecture.md). A stream's tokens go out in chunks, one per
+engine decodes from there; or, for a prompt the frontend sends here (a short lone one, or this
+replica's share of a burst on an idle pool: :mod:`deployments.gateway.local_prefill`), with
+neither: the engine computes the prompt itself (from the longest cached prefix, as a prefill
+replica would), its chunks taking each step's whole token budget, and the stream's first chunk
+carries the first token (no prefill hop, no state handoff; see docs/architecture.md). A stream's tokens go out in chunks, one per
 ``PoolConfig.stream_interval_ms`` at most (the first at once; see
 :class:`~deployments.engine.stream_batcher.StreamBatcher`). With the cache on it cuts MLA
 blocks as it goes and KDA checkpoints every ``checkpoint_every`` blocks and at the end of
@@ -74,9 +75,15 @@ class Decode(EngineReplica):
             greq = GenerationRequest(p.request_id, list(p.prompt_ids), p.max_tokens, p.sampling, p.stop,
                                      p.stop_token_ids, p.ignore_eos)
             if local:
-                # as a prefill replica would: the prompt's checkpoints (the system prompt's end too) go to the cache
+                # as a prefill replica would: the longest cached prefix is loaded, the prompt's checkpoints (the
+                # system prompt's end too) go to the cache; the prompt takes the whole token budget of the steps
+                # it runs in (the frontend sends one here only to an idle pool: a lone request or part of a burst)
+                hit = await asyncio.to_thread(self.cache.lookup, key, list(p.prompt_ids) + list(p.replay_ids)) if key else None
+                if key is not None:
+                    self.cache.record_tenant(p.tenant, lookups=1, prompt_tokens=len(p.prompt_ids))
                 outs = self.async_engine.generate(greq, coalesce=True, stream_interval_s=self.stream_interval_s,
-                                                  replay_ids=p.replay_ids,
+                                                  replay_ids=p.replay_ids, cached_prefix=hit.state if hit else None,
+                                                  full_budget=True,
                                                   checkpoint_plan=replace(self.plan, extra=p.checkpoint_at) if recorder else None)
             else:
                 state = await self._handed_off_state(req)
@@ -98,7 +105,7 @@ class Decode(EngineReplica):
                                 self.signals.tpot((time.perf_counter() - t0) / decoded)  # the tokens decoded here
                             yield DecodeChunk(out.new_text, tuple(out.new_token_ids), out.finished,
                                               out.finish_reason.value if out.finish_reason else None, n, self.replica,
-                                              out.new_logprobs)
+                                              out.new_logprobs, out.num_cached_tokens if local else None)
                     except (EngineStepError, EngineBroken) as e:
                         raise ReplicaFailed(f"decode replica {self.replica} failed request {p.request_id}: {e}") from e
         except BaseException as e:

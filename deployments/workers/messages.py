@@ -75,3 +75,4 @@ class DecodeChunk:
     num_output_tokens: int
     replica: str
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token_ids entry when the request asks for logprobs, else ()
+    cached_tokens: int | None = None  # prompt tokens loaded from the cache, when the decode replica computed the prompt

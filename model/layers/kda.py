@@ -268,28 +268,32 @@ class KimiDeltaAttention(nn.Module):
                                         layout.slot_index, layout.cu_seqlens, eps_o * D)
             return linear_t(o, w_o)
         # states inside a chunk (layout.snap_at): the kernel runs token after token and keeps each slot's state and
-        # conv tails in the pool between calls, so the chunk runs as two calls, the tokens before each sequence's
-        # offset and then the rest, with the states copied in between: the same values as one call
-        first = [(n, o) for n, o in enumerate(layout.snap_at) if o]
+        # conv tails in the pool between calls, so the chunk runs as several calls: round r takes each sequence's
+        # tokens up to its r-th offset (from the previous one), its states are copied after the call, and a last
+        # call takes every sequence's rest: the same values as one call
         spans = layout.spans
-        rows1 = torch.cat([torch.arange(spans[n][0], spans[n][0] + o) for n, o in first])
-        keep = torch.ones(x.shape[0], dtype=torch.bool)
-        keep[rows1] = False
-        rows2 = keep.nonzero().squeeze(1)
-        cu1 = torch.zeros(len(first) + 1, dtype=torch.int64)
-        cu1[1:] = torch.tensor([o for _, o in first]).cumsum(0)
-        cu2 = torch.zeros(layout.num_seqs + 1, dtype=torch.int64)
-        cu2[1:] = torch.tensor([n - o for n, o in zip(layout.lengths, layout.snap_at)]).cumsum(0)
-        sel = lambda t, rows: t.index_select(0, rows)  # noqa: E731
-        slots1 = torch.tensor([layout.slots[n] for n, _ in first], dtype=torch.int64)
         out = x.new_empty(x.shape[0], self.num_heads * D)
-        out[rows1] = kda_cpu.kda_prefill_cpu(sel(qkv, rows1), conv, wc, sel(g, rows1), a_vec, self.lower_bound is None,
-                                             sel(b, rows1), sel(gate, rows1), state, slots1, cu1, eps_o * D)
-        for n, _ in first:
-            slot = layout.slots[n]
-            layout.snapshots.setdefault(slot, {})[i] = (state[slot].clone(), conv[slot].clone())
-        out[rows2] = kda_cpu.kda_prefill_cpu(sel(qkv, rows2), conv, wc, sel(g, rows2), a_vec, self.lower_bound is None,
-                                             sel(b, rows2), sel(gate, rows2), state, layout.slot_index, cu2, eps_o * D)
+        done = [0] * layout.num_seqs  # tokens of each sequence's chunk already computed
+        rounds = max(len(o) for o in layout.snap_at)
+        for r in range(rounds + 1):
+            if r < rounds:
+                seqs = [n for n, o in enumerate(layout.snap_at) if len(o) > r]
+                ends = [layout.snap_at[n][r] for n in seqs]
+            else:
+                seqs = [n for n in range(layout.num_seqs) if done[n] < layout.lengths[n]]
+                ends = [layout.lengths[n] for n in seqs]
+            rows = torch.cat([torch.arange(spans[n][0] + done[n], spans[n][0] + e) for n, e in zip(seqs, ends)])
+            cu = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+            cu[1:] = torch.tensor([e - done[n] for n, e in zip(seqs, ends)]).cumsum(0)
+            slots = torch.tensor([layout.slots[n] for n in seqs], dtype=torch.int64)
+            sel = lambda t: t.index_select(0, rows)  # noqa: E731
+            out[rows] = kda_cpu.kda_prefill_cpu(sel(qkv), conv, wc, sel(g), a_vec, self.lower_bound is None, sel(b),
+                                                sel(gate), state, slots, cu, eps_o * D)
+            for n, e in zip(seqs, ends):
+                done[n] = e
+                if r < rounds:
+                    slot = layout.slots[n]
+                    layout.snapshots.setdefault(slot, {}).setdefault(i, []).append((state[slot].clone(), conv[slot].clone()))
         return linear_t(out, w_o)
 
     def _decode_fast(self, x: torch.Tensor, layout: BatchLayout, pool: StatePool, i: int) -> torch.Tensor:

@@ -310,13 +310,42 @@ def test_a_lone_short_prompt_is_prefilled_on_decode(platform, reference):
             assert grew == ({"prefill": 0, "decode": n} if local else {"prefill": n, "decode": 0}), (pool, local, grew)
 
 
-def test_a_standard_burst_is_prefilled_by_decode_and_prefill_side_by_side(platform, reference):
-    """16 concurrent 100-token prompts reach the idle standard pool: the first goes to the decode replica (nothing in
-    flight), and within the decode replica's gather window the rest are split between it (at most one step of it,
-    1,024 tokens) and the prefill replica, so both compute part of the burst (the second request always goes
-    through prefill: the decode side is ahead by then). Every stream is what the model alone generates."""
+def test_a_local_prompt_loads_its_cached_prefix(platform, reference):
+    """A lone short prompt goes to the decode replica, which looks up the cache as a prefill replica would: the same
+    prompt again (once the first one's checkpoints are written) reports cached tokens, computes only the rest on
+    the decode replica, and streams the same text."""
+    prompt = "# a prompt sent twice to the decode replica\n" + "def g(x):\n    return x * 2\n" * 4
+    n = len(_ids(prompt))
+    assert 64 < n <= platform["config"].pools["standard"].local_prefill_tokens
+    client = _client(platform)
+    want = _text(reference(prompt, 6))
+
+    def once():
+        before = {k: _prompt_tokens_computed(k, "standard") for k in ("prefill", "decode")}
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        grew = {k: _prompt_tokens_computed(k, "standard") - before[k] for k in before}
+        assert out.choices[0].text == want and grew["prefill"] == 0
+        return out.usage.prompt_tokens_details.cached_tokens, grew["decode"]
+
+    assert once() == (0, n)
+    deadline = time.monotonic() + 20
+    while (got := once())[0] == 0 and time.monotonic() < deadline:  # the checkpoints are written in the background
+        time.sleep(0.2)
+    cached, computed = got
+    assert 0 < cached < n and cached % platform["config"].cache.block_size == 0 and computed == n - cached
+
+
+@pytest.mark.parametrize("streams,chars", [(16, 100), (6, 700)])
+def test_a_standard_burst_is_prefilled_by_decode_and_prefill_side_by_side(platform, reference, streams, chars):
+    """Concurrent prompts reach the idle standard pool: short ones (100 tokens) start on the decode replica (nothing
+    in flight), long ones (700 tokens, over local_prefill_tokens: a lone one would go through prefill) start through
+    prefill; within the decode replica's gather window the rest are split between it and the prefill replica by
+    tokens, so both compute part of the burst. Every stream is what the model alone generates."""
     pool = platform["config"].pools["standard"]
-    prompts = [(f"# burst request {i}\n" + "x = [i * i for i in range(10)]\n" * 8)[:100] for i in range(16)]
+    prompts = [(f"# burst request {i} of {chars}\n" + "x = [i * i for i in range(10)]\n" * 64)[:chars] for i in range(streams)]
+    n = [len(_ids(p)) for p in prompts]
+    assert (max(n) <= pool.local_prefill_tokens) == (chars == 100) and max(n) <= pool.max_num_batched_tokens
     before = {k: _prompt_tokens_computed(k, "standard") for k in ("prefill", "decode")}
 
     def one(prompt):
@@ -324,12 +353,11 @@ def test_a_standard_burst_is_prefilled_by_decode_and_prefill_side_by_side(platfo
                                                       stream=True, extra_body={"ignore_eos": True})
         return "".join(c.choices[0].text for c in stream if c.choices)
 
-    with cf.ThreadPoolExecutor(16) as ex:
+    with cf.ThreadPoolExecutor(streams) as ex:
         got = list(ex.map(one, prompts))
     grew = {k: _prompt_tokens_computed(k, "standard") - before[k] for k in before}
-    n = [len(_ids(p)) for p in prompts]
     assert sum(grew.values()) == sum(n), grew  # every prompt computed once, on one side
-    assert min(n) <= grew["decode"] <= pool.max_num_batched_tokens and grew["prefill"] >= min(n), grew
+    assert min(n) <= grew["decode"] <= grew["prefill"] + max(n) and grew["prefill"] >= min(n), grew
     for prompt, text in zip(prompts, got):
         assert text == _text(reference(prompt, 8))
 

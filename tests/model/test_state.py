@@ -80,6 +80,35 @@ def test_codec_round_trips_empty_strided_and_half_tensors_exactly():
     assert len(blob) == 4 + 6 + len(json.dumps(header, separators=(",", ":"))) + body + CHECKSUM_BYTES
 
 
+def test_several_kda_states_inside_one_chunk_equal_those_of_chunks_cut_there(model):
+    """``snap_at[i]`` with several offsets: one (states, tails) per offset, in order, each equal to the state after a
+    chunk cut there; sequences with no offset, one and three run in the same step, and the logits do not change."""
+    runner = ModelRunner(model, 8)
+    if not runner.snapshots_in_step:
+        pytest.skip("the KDA layers' native prefill is not available here")
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (130, 50, 20)]
+    cuts = [(16, 64, 128), (), (8,)]
+    a = [runner.allocate() for _ in prompts]
+    logits = runner.step(a, prompts, snap_at=cuts)
+    inside = runner.step_snapshots
+    assert sorted(inside) == sorted([a[0], a[2]]) and [len(inside[a[0]]), len(inside[a[2]])] == [3, 1]
+    b = [runner.allocate() for _ in prompts]
+    for n, offsets in enumerate(cuts):
+        done = 0
+        for k, o in enumerate(offsets):
+            runner.step([b[n]], [prompts[n][done:o]])
+            done = o
+            want = runner.pool.kda_snapshot(b[n])
+            for got, exp in zip([*inside[a[n]][k][0], *inside[a[n]][k][1]], [*want[0], *want[1]]):
+                torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-6)
+        ref = runner.step([b[n]], [prompts[n][done:]])
+        torch.testing.assert_close(logits[n:n + 1], ref, rtol=1e-4, atol=1e-4)
+    for bad in ([(64, 16), (), ()], [(0,), (), ()], [(130,), (), ()]):  # not increasing, not inside the chunk
+        with pytest.raises(ValueError, match="snap_at"):
+            runner.step(b, prompts, snap_at=bad)  # checked before anything is computed
+
+
 def test_kda_states_taken_inside_a_chunk_equal_the_states_of_a_chunk_cut_there(model):
     """``ModelRunner.step(..., snap_at=...)``: each KDA layer's state and conv tails after ``snap_at[i]`` tokens of
     chunk i, copied out during the step, are those after a step that ends there (the native kernel runs token
@@ -95,13 +124,13 @@ def test_kda_states_taken_inside_a_chunk_equal_the_states_of_a_chunk_cut_there(m
     a = [runner.allocate() for _ in prompts]
     logits = runner.step(a, prompts, snap_at=cut_at)
     inside = runner.step_snapshots
-    assert sorted(inside) == sorted(a[:2])
+    assert sorted(inside) == sorted(a[:2]) and all(len(inside[s]) == 1 for s in a[:2])
     b = [runner.allocate() for _ in prompts]
     runner.step(b[:2], [p[:o] for p, o in zip(prompts[:2], cut_at)])
     want = {s: runner.pool.kda_snapshot(s) for s in b[:2]}
     ref = runner.step(b, [p[o:] for p, o in zip(prompts[:2], cut_at)] + [prompts[2]])
     for sa, sb in zip(a[:2], b[:2]):
-        for got, exp in zip([*inside[sa][0], *inside[sa][1]], [*want[sb][0], *want[sb][1]]):
+        for got, exp in zip([*inside[sa][0][0], *inside[sa][0][1]], [*want[sb][0], *want[sb][1]]):
             torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="snap_at"):

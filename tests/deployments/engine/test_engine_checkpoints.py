@@ -48,11 +48,12 @@ def test_checkpoints_cut_blocks_and_kda_states_at_the_planned_positions(model, t
     engine = engine_for(model, tok)
     chunks: list[int] = []
     step = engine.runner.step
-    engine.runner.step = lambda slots, cs: (chunks.extend(len(c) for c in cs), step(slots, cs))[1]
+    engine.runner.step = lambda slots, cs, **kw: (chunks.extend(len(c) for c in cs), step(slots, cs, **kw))[1]
     outs = run_one(engine, GenerationRequest("r", prompt, 20, ignore_eos=True), checkpoint_plan=PLAN)
     cps = [c for o in outs for c in o.checkpoints]
-    # prefill chunks end at the interval (16) and the prompt's last full block (32)
-    assert chunks[:3] == [16, 16, 5], chunks
+    # prefill chunks end at the interval (16) and the prompt's last full block (32), or, where the runner takes the
+    # states inside a chunk, the prompt is one chunk
+    assert chunks[:3] == ([37, 1, 1] if engine.runner.snapshots_in_step else [16, 16, 5]), chunks
     computed = 37 + 19  # the last sampled token is never fed
     assert [c.position for c in cps if c.kda is not None] == [16, 32, 48, 56]  # 48: interval; 56: last full block of the turn
     covered = [(c.block_start, c.position) for c in cps if c.position > c.block_start]
@@ -168,9 +169,10 @@ def test_extra_checkpoint_positions_cut_a_kda_checkpoint_there(model, tok):
 
 @pytest.mark.parametrize("length", [45, 60, 90])  # last full blocks 40, 56, 88: not periodic boundaries
 def test_the_prompt_s_checkpoint_taken_inside_its_chunk_equals_a_chunk_cut_there(model, tok, length, monkeypatch):
-    """With the KDA layers' native prefill (ModelRunner.snapshots_in_step) the chunk that reaches a prompt's last
-    full block runs on to the prompt's end and the state at the block is copied out in the step: the same
-    checkpoints (positions, blocks, states) and tokens as the reference, a chunk cut at the block, in fewer steps."""
+    """With the KDA layers' native prefill (ModelRunner.snapshots_in_step) a prompt's chunk runs on across its KDA
+    checkpoint positions (the interval and its last full block) and the states there are copied out in the step:
+    the same checkpoints (positions, blocks, states) and tokens as the reference, chunks cut at those positions,
+    in fewer steps."""
     if not ModelRunner(model, 1).snapshots_in_step:
         pytest.skip("the KDA layers' native prefill is not available here")
     req = GenerationRequest("c", ids(length, 4), 6, ignore_eos=True)
@@ -184,11 +186,14 @@ def test_the_prompt_s_checkpoint_taken_inside_its_chunk_equals_a_chunk_cut_there
     fast, fast_steps = run(True)
     ref, ref_steps = run(False)
     assert [t for o in fast for t in o.new_token_ids] == [t for o in ref for t in o.new_token_ids]
-    assert fast_steps == ref_steps - 1  # the prompt's tail no longer has a step of its own
+    # the reference cuts the prompt at every KDA position (the interval, 16, and the last full block); here it is
+    # one chunk
+    cuts = set(range(PLAN.interval, length // 8 * 8, PLAN.interval)) | {length // 8 * 8}
+    assert fast_steps == ref_steps - len(cuts)
     got = [c for o in fast for c in o.checkpoints]
     want = [c for o in ref for c in o.checkpoints]
     assert [(c.position, c.block_start, c.tokens, c.kda is None) for c in got] == \
         [(c.position, c.block_start, c.tokens, c.kda is None) for c in want]
-    for a, b in zip(got, want):
+    for a, b in zip(got, want):  # to float rounding: the projections see the tokens in other batches
         for x, y in zip([*a.mla, *(a.kda or []), *(a.conv or [])], [*b.mla, *(b.kda or []), *(b.conv or [])]):
-            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+            assert x.shape == y.shape and rel_rms(x, y) < 1e-5

@@ -26,6 +26,19 @@ def test_a_decoding_step_takes_at_most_the_capped_prompt_tokens():
     assert [(c.seq.request_id, len(c.token_ids)) for c in out.chunks] == [("run", 1), ("new", 40)]
 
 
+def test_a_full_budget_prompt_is_not_capped_and_leaves_the_cap_to_the_others():
+    slots = FakeSlots(4)
+    sched = Scheduler(slots, max_num_seqs=4, max_num_batched_tokens=512, max_cached_tokens=1 << 20)
+    sched.add(make_seq("run", 8, 50))
+    run_step(sched, slots)  # it decodes from now on
+    burst = make_seq("burst", 400, 4)
+    burst.full_budget = True  # Engine.add_request(full_budget=True): a decode replica's share of a burst
+    sched.add(burst)
+    sched.add(make_seq("later", 300, 4))
+    out = sched.schedule(prefill_tokens=40)
+    assert [(c.seq.request_id, len(c.token_ids)) for c in out.chunks] == [("run", 1), ("burst", 400), ("later", 40)]
+
+
 def test_without_a_decode_the_whole_budget_goes_to_prompts():
     slots = FakeSlots(4)
     sched = Scheduler(slots, max_num_seqs=4, max_num_batched_tokens=512, max_cached_tokens=1 << 20)

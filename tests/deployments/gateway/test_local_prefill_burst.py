@@ -1,6 +1,6 @@
 """The frontend's choice of which prompts skip the prefill hop (deployments/gateway/local_prefill.py): a lone short
 prompt, and a burst reaching an idle pool within the decode replica's gather window, split between the decode
-replica (up to one step of it) and the prefill replica."""
+replica and the prefill replica by tokens (prompts of up to one step of the decode replica)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from deployments.config import PlatformConfig
 from deployments.gateway.local_prefill import LocalPrefill, LocalPrefillLimits
 
-STD = LocalPrefillLimits(max_prompt_tokens=256, burst_window_s=0.100, burst_gap_s=0.030, burst_tokens=1024,
+STD = LocalPrefillLimits(max_prompt_tokens=256, burst_window_s=0.100, burst_gap_s=0.030, burst_prompt_tokens=1024,
                          burst_seqs=32)
 
 
@@ -25,11 +25,23 @@ def test_a_burst_is_split_between_decode_and_prefill_by_tokens():
     assert got == [True, False, True, True, False]
 
 
-def test_the_local_half_stops_at_one_step_of_the_decode_replica():
+def test_the_local_half_is_bounded_by_the_balance_and_max_num_seqs_not_by_one_step():
     got = _arrivals(LocalPrefill({"standard": STD}), "standard", [100] * 30, 0.001)
-    assert sum(got) == 10 and got[:20] == [True, False] * 10 and not any(got[20:])  # 10 x 100 <= 1,024 < 11 x 100
+    assert got == [True, False] * 15  # 1,500 local tokens: more than one step, computed at the whole budget
     lim = LocalPrefillLimits(256, 1.0, 1.0, 10_000, 3)  # max_num_seqs 3
     assert sum(_arrivals(LocalPrefill({"p": lim}), "p", [10] * 12, 0.001)) == 3
+
+
+def test_a_burst_of_long_prompts_is_split_but_a_lone_long_prompt_goes_through_prefill():
+    # 1,000-token prompts (the median of the Azure traces): the first goes through prefill (it could be a lone
+    # request), then local while the local tokens are no more than prefill's: half each; a prompt longer than one
+    # step of the decode replica never goes local
+    assert _arrivals(LocalPrefill({"standard": STD}), "standard", [1000] * 16, 0.004) == [False, True, True] + [
+        False, True] * 6 + [False]
+    assert _arrivals(LocalPrefill({"standard": STD}), "standard", [1000, 2000, 1000, 1025, 1000, 1000], 0.004) == [
+        False, False, True, False, True, True]
+    assert not LocalPrefill({"standard": STD}).admit("standard", 257, 0, 0.0)  # lone, over local_prefill_tokens
+    assert not LocalPrefill({"p": LocalPrefillLimits(0, 1.0, 1.0, 1024, 32)}).admit("p", 10, 0, 0.0)  # 0 = off
 
 
 def test_the_burst_ends_at_its_window_and_at_a_gap():
@@ -62,7 +74,7 @@ def test_limits_follow_the_pool_config():
     pools = PlatformConfig().pools
     std, hs = LocalPrefillLimits.of_pool(pools["standard"]), LocalPrefillLimits.of_pool(pools["highspeed"])
     s = pools["standard"]
-    assert (std.max_prompt_tokens, std.burst_window_s, std.burst_gap_s, std.burst_tokens, std.burst_seqs) == (
+    assert (std.max_prompt_tokens, std.burst_window_s, std.burst_gap_s, std.burst_prompt_tokens, std.burst_seqs) == (
         s.local_prefill_tokens, s.decode_gather_wait_ms / 1e3, s.decode_gather_gap_ms / 1e3, s.max_num_batched_tokens,
         s.max_num_seqs)
     assert hs.burst_window_s == 0 and hs.max_prompt_tokens == pools["highspeed"].local_prefill_tokens

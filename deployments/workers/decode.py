@@ -6,8 +6,8 @@ engine decodes from there; or, for a prompt the frontend sends here (a short lon
 replica's share of a burst on an idle pool: :mod:`deployments.gateway.local_prefill`), with
 neither: the engine computes the prompt itself (from the longest cached prefix, as a prefill
 replica would), its chunks taking each step's whole token budget, and the stream's first chunk
-carries the first token (no prefill hop, no state handoff; see docs/architecture.md). A stream's tokens go out in chunks, one per
-``PoolConfig.stream_interval_ms`` at most (the first at once; see
+carries the first token (no prefill hop, no state handoff; see docs/architecture.md). A stream's
+tokens go out in chunks, one per ``PoolConfig.stream_interval_ms`` at most (the first at once; see
 :class:`~deployments.engine.stream_batcher.StreamBatcher`). With the cache on it cuts MLA
 blocks as it goes and KDA checkpoints every ``checkpoint_every`` blocks and at the end of
 the turn (written in the background): the next turn, on any replica, or a failover resumes
@@ -78,9 +78,12 @@ class Decode(EngineReplica):
                 # as a prefill replica would: the longest cached prefix is loaded, the prompt's checkpoints (the
                 # system prompt's end too) go to the cache; the prompt takes the whole token budget of the steps
                 # it runs in (the frontend sends one here only to an idle pool: a lone request or part of a burst)
-                hit = await asyncio.to_thread(self.cache.lookup, key, list(p.prompt_ids) + list(p.replay_ids)) if key else None
+                hit = None
                 if key is not None:
+                    hit = await asyncio.to_thread(self.cache.lookup, key, list(p.prompt_ids) + list(p.replay_ids))
                     self.cache.record_tenant(p.tenant, lookups=1, prompt_tokens=len(p.prompt_ids))
+                    span.set_attribute("deltaserve.cache_hit", hit is not None)
+                    span.set_attribute("deltaserve.session_hit", bool(hit and hit.session_hit))
                 outs = self.async_engine.generate(greq, coalesce=True, stream_interval_s=self.stream_interval_s,
                                                   replay_ids=p.replay_ids, cached_prefix=hit.state if hit else None,
                                                   full_budget=True,

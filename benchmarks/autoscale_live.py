@@ -24,9 +24,10 @@ Surge checks on the autoscaled run: the first time highspeed holds more replicas
 30 s of its start) and the first time after the surge ends that it is back at its pre-surge count (within 60 s).
 
 Writes ``benchmarks/results/autoscale_live.{json,md,png}``. Starts Ray and two platforms in turn: run it on a
-machine with nothing else busy (``--surge-rate`` lowers the surge where the machine saturates).
+machine with nothing else busy (``--surge-rate`` lowers the surge where the machine saturates;
+``--highspeed-prompt`` / ``--highspeed-output`` change highspeed's request shape).
 
-    .venv/bin/python benchmarks/autoscale_live.py [--surge-rate 3]
+    .venv/bin/python benchmarks/autoscale_live.py [--surge-rate 3] [--highspeed-output 192]
 """
 
 from __future__ import annotations
@@ -501,6 +502,11 @@ def main() -> int:
     ap.add_argument("--surge-rate", type=float, default=SurgeShape.highspeed_surge_rate,
                     help="highspeed requests/s during the surge (default %(default)s); lower it where the machine "
                          "saturates (the static run's highspeed TTFT then measures the machine, not the split)")
+    ap.add_argument("--highspeed-prompt", type=int, default=SurgeShape.highspeed_prompt,
+                    help="prompt tokens of each highspeed request (default %(default)s)")
+    ap.add_argument("--highspeed-output", type=int, default=SurgeShape.highspeed_output,
+                    help="output tokens of each highspeed request (default %(default)s); long outputs make the surge "
+                         "bound by decode slots (highspeed's max_num_seqs per replica) rather than by the CPU")
     ap.add_argument("--out", default=str(RESULTS_DIR), help="directory for autoscale_live.{json,md,png}")
     ap.add_argument("--reuse", default=None, metavar="JSON",
                     help="take the live runs of an earlier run's JSON (same trace) for the modes not run now")
@@ -512,7 +518,12 @@ def main() -> int:
         return 0
     if not args.surge_rate > 0:
         raise SystemExit(f"--surge-rate must be > 0, got {args.surge_rate}")
-    shape, config = SurgeShape(highspeed_surge_rate=args.surge_rate), PlatformConfig()
+    for name in ("highspeed_prompt", "highspeed_output"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    shape = SurgeShape(highspeed_surge_rate=args.surge_rate, highspeed_prompt=args.highspeed_prompt,
+                       highspeed_output=args.highspeed_output)
+    config = PlatformConfig()
     requests = surge_trace(shape)
     with tempfile.TemporaryDirectory(prefix="autoscale_live_") as tmp:
         work = Path(tmp)
@@ -560,7 +571,11 @@ def main() -> int:
     timing_pred = {m: surge_timing(sim_samples(r), shape) for m, r in sims.items()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    command = COMMAND + (f" --surge-rate {args.surge_rate:g}" if shape != SurgeShape() else "")
+    default = SurgeShape()
+    command = COMMAND + "".join(f" --{flag} {value:g}" for flag, value, base in (
+        ("surge-rate", shape.highspeed_surge_rate, default.highspeed_surge_rate),
+        ("highspeed-prompt", shape.highspeed_prompt, default.highspeed_prompt),
+        ("highspeed-output", shape.highspeed_output, default.highspeed_output)) if value != base)
     record = {"command": command, "shape": asdict(shape), "budget": args.budget, "static_split": split,
               "live_params": asdict(live_params(shape)), "profile": profile_data, "requests": len(requests),
               "predicted": predicted, "predicted_abstract": predicted_abstract, "measured": measured, "comparisons": comparisons, "surge_timing": timing, "decision_timing": decided,

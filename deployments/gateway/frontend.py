@@ -152,12 +152,12 @@ class Frontend:
         price table (``usage.cost``); a pool not named is not priced (no ``cost`` in its usage).
         ``affinity_block_size``: the cache's block size, when prefill requests carry cache-affinity
         routing keys (their prefix key covers one block); None: they carry none.
-        ``local_prefill_tokens``: per pool, the longest prompt that may skip the prefill hop: when no
-        other stream of the pool is in flight through this frontend, the decode replica computes it and
-        streams from its first token (a pool not named: every prompt goes through prefill). Only then:
-        a decode replica that is decoding takes prompt tokens only within its ``prefill_share`` of each
-        step, so a burst of prompts is prefilled faster by a prefill replica beside it. A failover always
-        goes through prefill (it resumes from the cache)."""
+        ``local_prefill_tokens``: per pool, the longest prompt that may skip the prefill hop (an int, or
+        the pool's :class:`~deployments.gateway.local_prefill.LocalPrefillLimits`): when no other stream
+        of the pool is in flight through this frontend, the decode replica computes it and streams from
+        its first token (a pool not named: every prompt goes through prefill); with limits that name a
+        burst window, a burst reaching the idle pool is split between the decode and the prefill
+        replica. A failover always goes through prefill (it resumes from the cache)."""
         self.model_name = model_name
         self.pools = list(pools)
         self.tokenizer = tokenizer

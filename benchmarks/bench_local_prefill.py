@@ -1,4 +1,4 @@
-"""Short prompts prefilled on the decode replica vs through the prefill deployment, under `deltaserve up`.
+"""Prompts prefilled on the decode replica vs through the prefill deployment, under `deltaserve up`.
 
 With ``PoolConfig.local_prefill_tokens`` (256 on both pools by default) a prompt that short goes straight to a
 decode replica, which computes it and streams from its first token (no prefill hop, no gather gap of an idle
@@ -18,10 +18,12 @@ gather window it had before bursts were split: 60 / 10 ms, not 100 / 30).
 
 All greedy, ``ignore_eos``. Medians per setting; ratios to the second setting.
 
-Writes ``benchmarks/results/local_prefill_<pool>.{json,md}``.
+Writes ``benchmarks/results/local_prefill_<pool>.{json,md}`` (``local_prefill_<pool>_<chars>`` for prompts of
+other than 100 characters).
 
     .venv/bin/python benchmarks/bench_local_prefill.py
     .venv/bin/python benchmarks/bench_local_prefill.py --model k3-tiny
+    .venv/bin/python benchmarks/bench_local_prefill.py --model k3-tiny --prompt-chars 1000 --reps 3 --lone 6
 """
 
 from __future__ import annotations
@@ -151,15 +153,18 @@ def main() -> int:
         f"Against \"{baseline}\": {said}. Whole run {time.monotonic() - t_start:.0f} s on the machine's 2 shared cores: "
         "compare the settings, not absolute figures.",
         "",
-        "A lone short prompt goes local. Where the decode replicas gather (standard), a burst reaching the idle pool "
-        "within their window is split: a short prompt goes local while the burst's local prompt tokens are no more "
-        "than those sent through prefill, so the decode replica and the prefill replica each prefill about half of "
-        "it, side by side. A decode replica that is decoding takes prompt tokens only within its `prefill_share` of "
-        "each step, so nothing after the window goes local (deployments/gateway/local_prefill.py).",
+        "A lone short prompt goes local (a lone longer one through prefill). Where the decode replicas gather "
+        "(standard), a burst reaching the idle pool within their window is split: a prompt of up to one step of the "
+        "decode replica (`max_num_batched_tokens`) goes local while the burst's local prompt tokens are no more than "
+        "those sent through prefill, so the decode replica and the prefill replica each prefill about half of it, "
+        "side by side, the decode replica at its whole token budget. A decode replica that is decoding takes other "
+        "prompts' tokens only within its `prefill_share` of each step, so nothing after the window goes local "
+        "(deployments/gateway/local_prefill.py).",
     ])
     cmd = " ".join([COMMAND, *sys.argv[1:]])
     kw = {"out_dir": args.out_dir} if args.out_dir else {}
-    paths = write_report(f"local_prefill_{pool}", rows, title="A short prompt prefilled on the decode replica vs "
+    name = f"local_prefill_{pool}" + ("" if args.prompt_chars == 100 else f"_{args.prompt_chars}")
+    paths = write_report(name, rows, title=f"{args.prompt_chars}-character prompts prefilled on the decode replica vs "
                          f"through the prefill deployment ({args.model}, deltaserve up)", notes=notes, command=cmd, **kw)
     record = json.loads(paths["json"].read_text())
     record.update(lone=lone, waves=waves, ratios=ratios)

@@ -31,7 +31,8 @@ held fill a step (their tokens still to compute reach ``max_num_batched_tokens``
 reach a replica spread over tens of milliseconds (the ingress takes them one after another);
 without the window the first runs a step alone and the rest wait for it, then reach decode
 one step apart. The window never applies while the engine has work: arrivals during a step
-join the next one anyway. A lone request pays ``gather_gap_s``.
+join the next one anyway. A lone request pays ``gather_gap_s``, unless its caller says no other is on its way
+(``generate(hold=False)``).
 
 A consumer that stops early (``aclose()``, task cancellation on client disconnect) aborts
 its request: one still queued for the next step is taken off the queue and never added; one
@@ -119,6 +120,7 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}  # per live generator
         self._batchers: dict[str, StreamBatcher] = {}  # per live generator with a stream interval
         self._adds: list[tuple[GenerationRequest, dict[str, Any], asyncio.Future[None]]] = []  # for the next step
+        self._no_hold: set[str] = set()  # request ids added with hold=False: an idle engine steps for them at once
         self._aborts: list[tuple[str, asyncio.Future[None]]] = []  # request ids to abort before the next step
         self._pending = threading.Lock()  # guards _adds, _aborts and _owner_loop (the loop appends, the step thread takes)
         self._owner_loop: asyncio.AbstractEventLoop | None = None  # the loop whose step runs may take queued work
@@ -128,7 +130,7 @@ class AsyncEngine:
         self._closed = False
 
     async def generate(self, req: GenerationRequest, *, coalesce: bool = False, stream_interval_s: float = 0.0,
-                       **add_kwargs: Any) -> AsyncIterator[RequestOutput]:
+                       hold: bool = True, **add_kwargs: Any) -> AsyncIterator[RequestOutput]:
         """Add ``req`` (``add_kwargs`` go to :meth:`Engine.add_request`) and yield its outputs
         until the finished one. Stopping early aborts the request. Raises EngineStepError when
         a step with the request failed, EngineBroken when the engine is (or becomes) broken.
@@ -138,7 +140,10 @@ class AsyncEngine:
         tokens; a stream crossing processes pays its per-item cost once per merged output).
 
         ``stream_interval_s``: hold outputs back and yield them merged, at most one per interval
-        after the first (see :class:`StreamBatcher`); 0 yields each step's output."""
+        after the first (see :class:`StreamBatcher`); 0 yields each step's output.
+
+        ``hold``: False when the caller knows no other request is on its way (an idle engine's burst window
+        then ends with this request's arrival instead of waiting out its gap)."""
         self._check_alive()
         rid = req.request_id
         if rid in self._queues:
@@ -152,6 +157,8 @@ class AsyncEngine:
         added: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         with self._pending:
             self._adds.append((req, add_kwargs, added))
+            if not hold:
+                self._no_hold.add(rid)
         self._wake.set()  # type: ignore[union-attr]  # made by _start
         finished = False
         try:
@@ -168,6 +175,8 @@ class AsyncEngine:
         finally:
             del self._queues[rid]
             self._batchers.pop(rid, None)
+            with self._pending:
+                self._no_hold.discard(rid)
             if not finished and not self._unqueue(added):
                 await self._abort_once_added(added, rid)
 
@@ -297,10 +306,11 @@ class AsyncEngine:
                 return  # nothing arrived for a gap
 
     def _first_step_full(self) -> bool:
-        """Whether the requests held for an idle engine's first step already fill it (see the module docstring)."""
+        """Whether the requests held for an idle engine's first step already fill it, or one of them came with
+        ``hold=False`` (see the module docstring)."""
         config = self.engine.config
         with self._pending:
-            if len(self._adds) >= config.max_num_seqs:
+            if len(self._adds) >= config.max_num_seqs or any(req.request_id in self._no_hold for req, _, _ in self._adds):
                 return True
             tokens = sum(_to_compute(req, kwargs) for req, kwargs, _ in self._adds)
         return tokens >= config.max_num_batched_tokens

@@ -484,8 +484,10 @@ class Frontend:
                     n_out, replica = len(emitted), result.replica
                     produced[index] = n_out
                     yield TextDelta(result.text, (result.first_token,), rid, n_prompt, index, first_lp)
-                    stream = self.backend.decode(plan.pool, DecodeRequest(preq, result.first_token, result.state, carrier,
-                                                                          result.handoff_key))
+                    # alone: no other request of the pool in flight here, so none follows it to an idle decode replica
+                    stream = self.backend.decode(plan.pool, DecodeRequest(
+                        preq, result.first_token, result.state, carrier, result.handoff_key,
+                        alone=self._in_flight.get(plan.pool, 0) == 1))
                 try:
                     while True:
                         try:

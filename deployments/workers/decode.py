@@ -91,7 +91,7 @@ class Decode(EngineReplica):
             else:
                 state = await self._handed_off_state(req)
                 outs = self.async_engine.generate(greq, coalesce=True, stream_interval_s=self.stream_interval_s,
-                                                  resume_state=state, first_token=req.first_token,
+                                                  hold=not req.alone, resume_state=state, first_token=req.first_token,
                                                   first_token_reported=True,
                                                   replay_ids=p.replay_ids, checkpoint_plan=self.plan if recorder else None)
             with self.expert_pool_span(span):

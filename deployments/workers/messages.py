@@ -62,6 +62,8 @@ class DecodeRequest:
     #             without first_token
     trace: dict = field(default_factory=dict)
     handoff_key: str | None = None
+    alone: bool = False  # nothing else of its pool was in flight through the sending frontend: an idle decode replica
+    #                      need not hold its first step for more (PoolConfig.decode_gather_gap_ms)
 
 
 @dataclass(frozen=True, slots=True)

@@ -620,6 +620,37 @@ def test_async_engine_gather_ends_once_the_held_requests_fill_a_step(model, tok,
     assert first["f0"] - t_full < 0.5  # not held for the 1 s gap
 
 
+def test_async_engine_steps_at_once_for_a_request_that_says_none_follows(model, tok):
+    """``generate(hold=False)`` (a decode replica's handoff with nothing else of its pool in flight at the ingress):
+    an idle engine with a long burst window (20 s, gap 1 s) steps for it at once, together with what it already
+    holds; a request with the default ``hold`` waits out the gap."""
+    async def main():
+        aengine = AsyncEngine(make_engine(model, tok), gather_wait_s=20.0, gather_gap_s=1.0)
+        steps = spy_schedule(aengine.engine)
+        loop = asyncio.get_running_loop()
+        first: dict[str, float] = {}
+
+        async def consume(rid, seed, **kw):
+            async for _ in aengine.generate(request(rid, prompt(6, seed), 2), **kw):
+                first.setdefault(rid, loop.time())
+
+        t0 = loop.time()
+        held = asyncio.create_task(consume("held", 70))
+        await asyncio.sleep(0.05)
+        t1 = loop.time()
+        await asyncio.gather(held, consume("alone", 71, hold=False))
+        t2 = loop.time()
+        await consume("later", 72)  # the default: held for the 1 s gap
+        t3 = loop.time()
+        await aengine.shutdown()
+        return steps, first, (t0, t1, t2, t3), aengine
+
+    steps, first, (t0, t1, t2, t3), aengine = asyncio.run(main())
+    assert {c.seq.request_id for c in steps[0].chunks} == {"held", "alone"}
+    assert first["held"] - t1 < 0.5 and first["alone"] - t1 < 0.5  # not held for the 1 s gap
+    assert first["later"] - t2 >= 0.9 and not aengine._no_hold
+
+
 def test_async_engine_gather_ends_at_its_wait_while_requests_keep_coming(model, tok):
     async def main():
         aengine = AsyncEngine(make_engine(model, tok), gather_wait_s=0.5, gather_gap_s=0.3)

@@ -131,3 +131,35 @@ def test_a_failed_local_stream_fails_over_through_prefill_without_a_gap(served):
     assert (got[0]["text"], got[0]["ids"], got[0]["finish"]) == (want[0]["text"], want[0]["ids"], want[0]["finish"])
     assert len(got[0]["ids"]) == 24
     assert served.decode_stats("highspeed")["running"] == 0  # the failed stream's slot was given back
+
+
+class RecordsDecodes:
+    """The real backend; records each decode request's ``alone`` flag."""
+
+    def __init__(self, real) -> None:
+        self.real, self.alone = real, []
+
+    async def prefill(self, pool, req):
+        return await self.real.prefill(pool, req)
+
+    async def decode(self, pool, req):
+        self.alone.append(req.alone)
+        async for chunk in self.real.decode(pool, req):
+            yield chunk
+
+
+def test_a_handoff_says_whether_anything_else_of_its_pool_is_in_flight(served):
+    """A handoff with nothing else of its pool in flight through the frontend is ``alone`` (an idle decode replica
+    then steps at once instead of holding its first step for more); the choices of an n=2 request are not."""
+    backend = RecordsDecodes(served.backend)
+    frontend = Frontend(model_name=MODEL, pools=["standard", "highspeed"], tokenizer=load_tokenizer(MODEL),
+                        registry=TenantRegistry.from_file(served.frontend.registry.path), backend=backend,
+                        max_model_len=served.frontend.max_model_len)  # every prompt through prefill
+    one = CompletionInput(model=MODEL, prompt="def g(y):", max_tokens=6, temperature=0, ignore_eos=True)
+    _complete(served, frontend, one)
+    assert backend.alone == [True]
+    # 48 tokens each: both choices are still decoding when the second handoff is sent
+    _complete(served, frontend, CompletionInput(model=MODEL, prompt="def g(y):", max_tokens=48, temperature=0.5, seed=1,
+                                                n=2, ignore_eos=True))
+    assert backend.alone == [True, False, False]
+

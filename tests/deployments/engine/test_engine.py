@@ -639,6 +639,7 @@ def test_async_engine_steps_at_once_for_a_request_that_says_none_follows(model, 
         await asyncio.sleep(0.05)
         t1 = loop.time()
         await asyncio.gather(held, consume("alone", 71, hold=False))
+        await asyncio.sleep(0.2)  # the step thread has gone idle (until then an arrival joins its next step)
         t2 = loop.time()
         await consume("later", 72)  # the default: held for the 1 s gap
         t3 = loop.time()

@@ -52,8 +52,8 @@ class PoolConfig(_Strict):
                                          "long (what a lone request waits); at most prefill_gather_wait_ms")
 
     decode_gather_wait_ms: float = Field(0.0, ge=0, description="the same for an idle decode replica and arriving "
-                                         "handoffs and short prompts (local_prefill_tokens): a burst starts decoding "
-                                         "in one step; 0 = off")
+                                         "handoffs and prompts it computes itself (local_prefill_tokens): a burst "
+                                         "starts decoding in one step; 0 = off")
     decode_gather_gap_ms: float = Field(0.0, ge=0, description="the decode hold ends once no handoff or prompt has "
                                         "arrived for this long; at most decode_gather_wait_ms")
     prefill_share: float = Field(0.25, gt=0, le=1, description="most of a decode step's time that prefill of new "
@@ -188,9 +188,9 @@ def _default_pools() -> dict[str, PoolConfig]:
         # token costs more CPU outside the engine than its small decode step).
         # standard also gathers a burst of arrivals into one prefill step (up to 100 ms; a lone request waits 30 ms),
         # and into one first decode step (the same window): the decode replica takes a burst in without decode steps
-        # competing for its CPU and GIL (serving.md, a). A burst of short prompts is split between the two: every
-        # other one is prefilled by the decode replica itself, the rest by the prefill replica beside it
-        # (deployments/gateway/local_prefill.py; benchmarks/results/local_prefill_standard.md).
+        # competing for its CPU and GIL (serving.md, a). A burst of prompts of up to 1,024 tokens is split between the
+        # two by tokens: about half is prefilled by the decode replica itself, the rest by the prefill replica beside
+        # it (deployments/gateway/local_prefill.py; benchmarks/results/local_prefill_standard{,_1000}.md).
         "standard": PoolConfig(max_num_seqs=32, max_num_batched_tokens=1024, ttft_slo_ms=4000, tpot_slo_ms=400,
                                stream_interval_ms=100, prefill_gather_wait_ms=100, prefill_gather_gap_ms=30,
                                decode_gather_wait_ms=100, decode_gather_gap_ms=30, local_prefill_tokens=256,

@@ -380,6 +380,8 @@ class Sequence:
         p, last_full = self.num_computed, self.prompt_block_end
         end = min(p + n - 1, last_full)  # positions strictly inside the chunk, within the known tokens' full blocks
         lo = max(p, self.kda_checkpointed)
+        if end <= lo:  # a decode token, or a chunk past the known tokens' last full block: every step of a stream
+            return ()
         stops = set(range((lo // plan.interval + 1) * plan.interval, end + 1, plan.interval))
         stops.update(e // plan.block_size * plan.block_size for e in plan.extra)
         stops.add(last_full)

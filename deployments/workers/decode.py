@@ -80,10 +80,8 @@ class Decode(EngineReplica):
                 # it runs in (the frontend sends one here only to an idle pool: a lone request or part of a burst)
                 hit = None
                 if key is not None:
-                    hit = await asyncio.to_thread(self.cache.lookup, key, list(p.prompt_ids) + list(p.replay_ids))
+                    hit = await self.lookup_prefix(key, list(p.prompt_ids) + list(p.replay_ids), span)
                     self.cache.record_tenant(p.tenant, lookups=1, prompt_tokens=len(p.prompt_ids))
-                    span.set_attribute("deltaserve.cache_hit", hit is not None)
-                    span.set_attribute("deltaserve.session_hit", bool(hit and hit.session_hit))
                 outs = self.async_engine.generate(greq, coalesce=True, stream_interval_s=self.stream_interval_s,
                                                   replay_ids=p.replay_ids, cached_prefix=hit.state if hit else None,
                                                   full_budget=True,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import Iterator
@@ -91,6 +92,14 @@ class EngineReplica:
                 "deltaserve.expert_pool.transport": now["transport"], "deltaserve.expert_pool.shards": now["shards"],
                 **{f"deltaserve.expert_pool.{k}": now[k] - before[k] for k in ("layer_calls", "tokens", "handle_calls")},
                 "deltaserve.expert_pool.dispatch_ms": round(1e3 * (now["dispatch_s"] - before["dispatch_s"]), 3)})
+
+    async def lookup_prefix(self, key, known: list[int], span):
+        """The longest cached prefix of ``known`` under ``key`` (a :class:`~cache_service.client.Lookup`, None
+        on a miss), looked up off the event loop (LRU, then Redis); ``span`` records whether it hit."""
+        hit = await asyncio.to_thread(self.cache.lookup, key, known)
+        span.set_attribute("deltaserve.cache_hit", hit is not None)
+        span.set_attribute("deltaserve.session_hit", bool(hit and hit.session_hit))
+        return hit
 
     def cache_stats(self) -> dict:
         return {"replica": self.replica, **(self.cache.stats() if self.cache else {"enabled": False})}

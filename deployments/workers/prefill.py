@@ -70,10 +70,8 @@ class Prefill(EngineReplica):
             key = cache_key(self.cache, req)
             hit = recorder = None
             if key is not None:
-                hit = await asyncio.to_thread(self.cache.lookup, key, known)
+                hit = await self.lookup_prefix(key, known, span)
                 recorder = self.cache.recorder(key, known)
-                span.set_attribute("deltaserve.cache_hit", hit is not None)
-                span.set_attribute("deltaserve.session_hit", bool(hit and hit.session_hit))
             greq = GenerationRequest(req.request_id, list(req.prompt_ids), len(req.replay_ids) + 1, req.sampling, req.stop,
                                      req.stop_token_ids, req.ignore_eos)
             text, last, logprobs = "", None, ()

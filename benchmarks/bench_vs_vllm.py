@@ -36,6 +36,9 @@ over rounds. TTFT = time to the first streamed chunk with text, p50/p95 over eve
 Targets (deltaserve over ``deltaserve up`` vs vLLM on ``llama-active``, per workload): TTFT p50 <= vLLM's;
 output tokens/s over HTTP >= vLLM's; HTTP / offline >= vLLM's own ratio and >= 0.8.
 
+``--direct-ingress`` runs ``deltaserve up --direct-ingress`` (the ingress replica serves HTTP itself, no Serve
+proxy hop; docs/architecture.md, "Serve's mode") and writes ``vs_vllm_direct`` instead.
+
 Writes ``benchmarks/results/vs_vllm.{json,md}``. Run it holding a platform slot where several platforms share a
 machine (``/tmp/with-platform-slot``).
 
@@ -394,6 +397,7 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2, help="timed rounds after the warm-up round")
     ap.add_argument("--threads", type=int, default=1, help="compute threads per engine process, both systems")
+    ap.add_argument("--direct-ingress", action="store_true", help="deltaserve up --direct-ingress; page vs_vllm_direct")
     ap.add_argument("--no-install", action="store_true", help="do not run scripts/vllm_env.sh first")
     ap.add_argument("--out-dir", type=Path, default=None, help="results folder (default benchmarks/results)")
     return ap.parse_args()
@@ -436,7 +440,7 @@ def main() -> int:
         reg = TenantRegistry()
         _, key = reg.add("bench", pools=["standard"], rpm=1_000_000, tpm=1_000_000_000, max_context=8192)
         reg.save(tmp / "tenants.yaml")
-        up_args = ["--tenants", str(tmp / "tenants.yaml")]
+        up_args = ["--tenants", str(tmp / "tenants.yaml")] + (["--direct-ingress"] if args.direct_ingress else [])
         if args.threads != 1:
             (tmp / "config.yaml").write_text(f"torch_threads: {args.threads}\n")
             up_args += ["--config", str(tmp / "config.yaml")]
@@ -460,6 +464,7 @@ def main() -> int:
                      "active_params": s.active_params, "fp32_bytes": s.fp32_bytes} for kind, (s, _) in peers.items()}
     summary = {"commit": commit, "measured_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "vllm": vllm_version, "vllm_skipped": skipped, "threads": args.threads, "rounds": args.rounds,
+               "direct_ingress": args.direct_ingress,
                "k3_tiny": {"params": ref.params, "active_params": ref.active_params,
                            "checkpoint_bytes": ref.checkpoint_bytes},
                "peer_llamas": shapes, "checks": checks, "targets_met": bool(checks) and all(c["ok"] for c in checks),
@@ -484,7 +489,9 @@ def main() -> int:
         f"Threads: {args.threads} compute thread(s) per engine process on both sides, unpinned (deltaserve "
         f"`torch_threads`, vLLM `OMP_NUM_THREADS` with `VLLM_CPU_OMP_THREADS_BIND=nobind`); deltaserve's offline "
         f"Engine uses the standard pool's caps (max_num_seqs {pool.max_num_seqs}, max_num_batched_tokens "
-        f"{pool.max_num_batched_tokens}); `deltaserve up` and vLLM's server run with their defaults otherwise. "
+        f"{pool.max_num_batched_tokens}); `deltaserve up`"
+        + (" (with `--direct-ingress`: the ingress replica serves HTTP itself)" if args.direct_ingress else "")
+        + " and vLLM's server run with their defaults otherwise. "
         f"Machine: 2 CPU cores shared with other work; load average {os.getloadavg()[0]:.1f} at the end; ratios "
         f"are side by side in one run, absolute figures move with the load. Before every wave the machine settled "
         f"(under {SETTLE_BUSY:.0%} of both cores busy over {SETTLE_WINDOW_S} s, at most {SETTLE_MAX_S:g} s: vLLM keeps a "
@@ -498,12 +505,15 @@ def main() -> int:
         "",
         *[f"- {ln}" for ln in lines],
     ])
-    write_report("vs_vllm", rows,
+    page = "vs_vllm_direct" if args.direct_ingress else "vs_vllm"
+    write_report(page, rows,
                  columns=["system", "workload", "offline_tokens_per_s", "http_tokens_per_s", "http_over_offline",
                           "ttft_p50_s", "ttft_p95_s", "http_text_equals_offline"],
-                 command=COMMAND, title="deltaserve vs vLLM-CPU, offline and over HTTP", notes=notes,
+                 command=" ".join([COMMAND, *sys.argv[1:]]), notes=notes,
+                 title="deltaserve vs vLLM-CPU, offline and over HTTP" + (" (deltaserve up --direct-ingress)"
+                                                                          if args.direct_ingress else ""),
                  **({"out_dir": args.out_dir} if args.out_dir else {}))
-    path = (args.out_dir or ROOT / "benchmarks" / "results") / "vs_vllm.json"
+    path = (args.out_dir or ROOT / "benchmarks" / "results") / f"{page}.json"
     record = json.loads(path.read_text())
     record["summary"] = summary
     path.write_text(json.dumps(record, indent=2, default=str) + "\n")
@@ -513,7 +523,7 @@ def main() -> int:
         print("  ".join(f"{k}={v}" for k, v in r.items()))
     print()
     print("\n".join(lines) if lines else "no target checks (the HTTP side did not run)")
-    print(f"elapsed {summary['elapsed_s']} s\nReproduce: {COMMAND}")
+    print(f"elapsed {summary['elapsed_s']} s\nReproduce: {' '.join([COMMAND, *sys.argv[1:]])}")
     return 0
 
 

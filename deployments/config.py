@@ -250,6 +250,14 @@ class PlatformConfig(_Strict):
                                              "between replicas, user code on the replica's event loop), keeping Serve's "
                                              "HTTP/gRPC proxies on `host` (RAY_SERVE_ENABLE_DIRECT_INGRESS=0). A running cluster "
                                              "(`serve deploy`) takes them from its own environment (deployments.cli.up.serve_env)")
+    direct_ingress: bool = Field(False, description="when `deltaserve up` starts the local Ray cluster: the ingress "
+                                 "replica serves HTTP and gRPC itself on http_port and grpc_port (Serve's direct "
+                                 "ingress, RAY_SERVE_ENABLE_DIRECT_INGRESS=1 with both port ranges pinned), with no "
+                                 "proxy actor in between: about a third of the front end's CPU per request "
+                                 "(benchmarks/results/request_cost_direct.md). Serve still starts its (idle) proxy "
+                                 "actor, on two other free ports of host. The ports move with the replica: one "
+                                 "being replaced holds them while it drains, so its successor cannot bind them "
+                                 "until it has exited; the Kubernetes manifests keep the proxy")
 
     @field_validator("pools")
     @classmethod

@@ -134,11 +134,10 @@ def serve_env(config: PlatformConfig) -> dict[str, str]:
     runs user code on each replica's own event loop: when it was introduced, 16 HTTP streams went
     from 0.61 of the in-process engine's tokens/s (actor calls) to about 0.7 in interleaved runs;
     benchmarks/bench_serving.py measures this mode. Direct ingress (the ingress replica serving
-    HTTP itself) stays off: without HAProxy each ingress replica gets its own port from a range, not
-    the configured one, and Serve's proxy-level answers and the proxy middleware do not run; with
-    HAProxy, HAProxy binds its stats and metrics ports on every interface; and on `deltaserve up` it
-    gave the same tokens/s within the noise and a TTFT p50 about 8% lower
-    (benchmarks/results/direct_ingress.md). The router keeps its own loop, so handles also work from
+    HTTP and gRPC itself, no proxy actor) is off unless ``direct_ingress`` (``--direct-ingress``): it
+    cuts the front end's CPU per request to about a third (benchmarks/results/request_cost.md vs
+    request_cost_direct.md), but the ports belong to the replica, so a replacement cannot bind them
+    while the replica before it drains (the proxy's ports stay up across ingress restarts). The router keeps its own loop, so handles also work from
     threads (the expert pool's handle transport, the CLI). Its gRPC message limit is raised per deployment
     (``deployments/app.py``), so that a handoff at the full context fits.
     """
@@ -146,7 +145,21 @@ def serve_env(config: PlatformConfig) -> dict[str, str]:
     if config.serve_throughput_optimized:
         env.update({"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
                     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"})
+    if config.direct_ingress:
+        env.update(direct_ingress_env(config.http_port, config.grpc_port))
     return env
+
+
+def direct_ingress_env(http_port: int, grpc_port: int) -> dict[str, str]:
+    """Serve's direct ingress with the one ingress replica's ports pinned: Serve allocates each ingress
+    replica a port from ``range(MIN, MAX)`` per protocol, so ``[port, port + 1)`` leaves it exactly the
+    configured one. The replica's servers bind ``host`` (``HTTPOptions``; gRPC through the proxy callback,
+    which the replica runs as a proxy would, with its middleware)."""
+    return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(http_port),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http_port + 1),
+            "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(grpc_port),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(grpc_port + 1)}
 
 
 @contextlib.contextmanager
@@ -170,12 +183,18 @@ def start(config: PlatformConfig, *, app_name: str = "deltaserve", extra_apps: l
     from ray import serve
     from ray.serve.config import gRPCOptions, HTTPOptions
 
+    from cache_service.redis_server import find_free_port
+
     if not ray.is_initialized():
         with _environ(serve_env(config)):
             ray.init(include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_export_port)
+    # With direct ingress Serve still starts its proxy actor on the options' ports, and the ingress replica takes
+    # the configured ones (direct_ingress_env): the proxy gets two other free loopback ports.
+    http_port, grpc_port = (find_free_port(), find_free_port()) if config.direct_ingress else (config.http_port,
+                                                                                                config.grpc_port)
     serve.start(
-        http_options=HTTPOptions(host=config.host, port=config.http_port),
-        grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=[GRPC_SERVICER], enable_reflection=True),
+        http_options=HTTPOptions(host=config.host, port=http_port),
+        grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER], enable_reflection=True),
     )
     deploy([(app_name, "/", config)] + list(extra_apps or []), progress=progress)
 
@@ -209,7 +228,8 @@ def _load_config(args: argparse.Namespace) -> tuple[PlatformConfig, str | None]:
     updates = {k: v for k, v in {"model": args.model, "http_port": args.http_port, "grpc_port": args.grpc_port,
                                  "host": args.host, "tenants_file": args.tenants, "expert_mode": args.expert_mode,
                                  "expert_transport": args.expert_transport,
-                                 "serve_throughput_optimized": False if args.serve_actor_calls else None}.items()
+                                 "serve_throughput_optimized": False if args.serve_actor_calls else None,
+                                 "direct_ingress": True if args.direct_ingress else None}.items()
                if v is not None}
     config = PlatformConfig.load({**config.model_dump(), **updates}).with_replicas(parse_replicas(args.replicas or []))
     config = with_autoscale(config, args.autoscale, args.budget)
@@ -383,6 +403,9 @@ def add_up_parser(sub) -> None:
                    help="expert pool data plane: direct TCP per shard (default) or Serve handle calls")
     p.add_argument("--serve-actor-calls", action="store_true",
                    help="start Ray without Serve's throughput-optimized mode (Ray actor calls between replicas)")
+    p.add_argument("--direct-ingress", action="store_true",
+                   help="the ingress replica serves HTTP and gRPC itself on the configured ports, no Serve proxy "
+                        "(less CPU per request; see PlatformConfig.direct_ingress)")
     p.add_argument("--redis-url", default=None, help="the cache's Redis (default $DELTASERVE_REDIS_URL, else a local redis-server is started)")
     p.add_argument("--no-cache", action="store_true", help="run without the prefix/KDA-state cache")
     p.add_argument("--replicas", action="append", metavar="DEPLOYMENT=N",

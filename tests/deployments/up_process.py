@@ -163,12 +163,14 @@ def serve_replica_environs(pid: int) -> list[dict[str, str]]:
     return envs
 
 
-def check_up_serves(output: list[str], pid: int, http_port: int, grpc_port: int, key: str, *, actor_calls: bool) -> None:
+def check_up_serves(output: list[str], pid: int, http_port: int, grpc_port: int, key: str, *, actor_calls: bool,
+                    direct_ingress: bool = False) -> None:
     """What a ready `deltaserve up` (pid ``pid``; ``key``: the one it was given in $DELTASERVE_API_KEY, or the one it
     generated and showed) shows in either
     Serve mode: a ready line with its addresses, a curl example with the key, HTTP that wants the key and
     serves both models, and every Serve replica in the environment `up` gave Ray
-    (``deployments.cli.up.serve_env``: throughput-optimized unless ``--serve-actor-calls``)."""
+    (``deployments.cli.up.serve_env``: throughput-optimized unless ``--serve-actor-calls``; Serve's direct ingress
+    with ``--direct-ingress``)."""
     at = next(i for i, ln in enumerate(output) if ln.startswith("deltaserve: ready"))
     ready = output[at]
     assert f"http://127.0.0.1:{http_port}/v1" in ready and f"127.0.0.1:{grpc_port}" in ready, ready
@@ -195,4 +197,5 @@ def check_up_serves(output: list[str], pid: int, http_port: int, grpc_port: int,
         if actor_calls:
             assert "RAY_SERVE_THROUGHPUT_OPTIMIZED" not in e
         else:
-            assert e.get("RAY_SERVE_THROUGHPUT_OPTIMIZED") == "1" and e.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "0"
+            assert e.get("RAY_SERVE_THROUGHPUT_OPTIMIZED") == "1"
+            assert e.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == ("1" if direct_ingress else "0")

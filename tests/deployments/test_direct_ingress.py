@@ -1,0 +1,103 @@
+"""`deltaserve up --direct-ingress`: the ingress replica serves HTTP and gRPC itself, on the configured ports
+and on 127.0.0.1 only, not through Serve's proxy actor (``PlatformConfig.direct_ingress``, ``deployments.cli.up.
+direct_ingress_env``); streams, hang-ups, errors, gRPC health and reflection behave as through the proxy."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+
+from deployments.proto.deltaserve.v1 import inference_pb2 as pb
+from deployments.proto.deltaserve.v1 import inference_pb2_grpc as pb_grpc
+from tests.deployments.test_security_defaults import _listeners
+from tests.deployments.up_process import check_up_serves, deltaserve_up, descendants
+
+KEY = "ds-direct-ingress-key-0123456789abcdef"
+SERVICE = "deltaserve.v1.Inference"
+
+
+def _processes(pid: int) -> list[bytes]:
+    out = []
+    for p in descendants(pid):
+        try:
+            out.append(Path(f"/proc/{p}/cmdline").read_bytes())
+        except OSError:
+            continue
+    return out
+
+
+def test_direct_ingress_serves_http_and_grpc_on_the_configured_ports(tmp_path):
+    with deltaserve_up(["--tenants", str(tmp_path / "tenants.yaml"), "--no-cache", "--direct-ingress"],
+                       env={"DELTASERVE_API_KEY": KEY}) as up:
+        check_up_serves(up.output, up.proc.pid, up.http_port, up.grpc_port, KEY, actor_calls=False,
+                        direct_ingress=True)
+        assert _listeners(up.http_port) == ["127.0.0.1"] and _listeners(up.grpc_port) == ["127.0.0.1"]
+        cmdlines = _processes(up.proc.pid)
+        assert any(b"ServeReplica:deltaserve:ingress" in c for c in cmdlines)
+        # Serve still starts its proxy actor (idle, on two other ports: deployments.cli.up.start)
+        base = f"http://127.0.0.1:{up.http_port}/v1"
+
+        # concurrent streams through the official client, each to its max_tokens
+        client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0, timeout=120)
+        results: dict[int, tuple[str, str | None, int]] = {}
+
+        def stream(i: int) -> None:
+            text, reason = [], None
+            for chunk in client.completions.create(model="k3-tiny", prompt=f"# stream {i}\n" + "x = 1\n" * 40,
+                                                   max_tokens=24, temperature=0, stream=True,
+                                                   extra_body={"ignore_eos": True}):
+                if chunk.choices:
+                    text.append(chunk.choices[0].text)
+                    reason = chunk.choices[0].finish_reason or reason
+            results[i] = ("".join(text), reason, len("".join(text)))
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+        assert sorted(results) == list(range(6)) and all(r[1] == "length" for r in results.values()), results
+
+        # a client that hangs up mid-stream; the next request is served
+        with httpx.stream("POST", f"{base}/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                          json={"model": "k3-tiny", "prompt": "hang up", "max_tokens": 400, "stream": True,
+                                "ignore_eos": True}) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())
+        done = client.completions.create(model="k3-tiny", prompt="after", max_tokens=4, temperature=0)
+        assert done.usage.completion_tokens == 4
+
+        # errors keep OpenAI's shape and name the bad value; the request id comes back
+        r = httpx.post(f"{base}/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
+                       json={"model": "no-such-model", "prompt": "x"})
+        assert r.status_code == 404 and "no-such-model" in r.json()["error"]["message"]
+        assert r.headers["x-deltaserve-request-id"]
+        r = httpx.post(f"{base}/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
+                       content=b"{not json")
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+        # gRPC on the replica: a real generation, health, reflection
+        with grpc.insecure_channel(f"127.0.0.1:{up.grpc_port}") as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            resp = stub.Generate(pb.GenerateRequest(model="k3-tiny", prompt="def f(x):", max_tokens=3, temperature=0),
+                                 metadata=(("authorization", f"Bearer {KEY}"),), timeout=60)
+            assert resp.usage.completion_tokens == 3 and resp.pool == "standard"
+            from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=10)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+            listed = next(reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
+            assert SERVICE in {s.name for s in listed.list_services_response.service}
+            try:
+                stub.Generate(pb.GenerateRequest(model="k3-tiny", prompt="x"), metadata=(("authorization", "Bearer bad"),),
+                              timeout=30)
+                raise AssertionError("a bad key was served")
+            except grpc.RpcError as e:
+                assert e.code() is grpc.StatusCode.UNAUTHENTICATED, (e.code(), e.details())

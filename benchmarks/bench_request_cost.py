@@ -46,8 +46,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_vs_vllm import (PEERS_DIR, Workload, corpus, ensure_vllm, git_commit, http_wave,  # noqa: E402
-                                      prompts, settle, vllm_server)
+from benchmarks.bench_vs_vllm import (PEERS_DIR, Workload, add_peer_args, corpus, git_commit,  # noqa: E402
+                                      http_wave, prompts, settle, vllm_server, vllm_side)
 from benchmarks.peer_models import REFERENCE, build_peers  # noqa: E402
 from benchmarks.report import write_report  # noqa: E402
 from deployments.tenancy import TenantRegistry  # noqa: E402
@@ -108,9 +108,7 @@ def wave(base: str, key: str, model: str, texts: list[str], w: Workload) -> dict
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--waves", type=int, default=6, help="timed waves per system and workload, after 2 warm-ups")
-    ap.add_argument("--direct-ingress", action="store_true", help="deltaserve up --direct-ingress (no Serve proxy hop)")
-    ap.add_argument("--no-install", action="store_true", help="do not run scripts/vllm_env.sh first")
-    ap.add_argument("--out-dir", type=Path, default=None, help="results folder (default benchmarks/results)")
+    add_peer_args(ap)
     return ap.parse_args()
 
 
@@ -118,9 +116,7 @@ def main() -> int:
     args = parse_args()
     t_start = time.perf_counter()
     commit = git_commit()
-    skipped = ensure_vllm(install=not args.no_install)
-    if skipped:
-        print(f"vLLM side skipped: {skipped}", flush=True)
+    skipped = vllm_side(args)
     text = corpus()
     res: dict = {}
     with tempfile.TemporaryDirectory(prefix="request_cost_") as tmp_s, contextlib.ExitStack() as stack:

@@ -393,13 +393,27 @@ def git_commit() -> str:
     return proc.stdout.strip() or "unknown"
 
 
+def add_peer_args(ap: argparse.ArgumentParser) -> None:
+    """The flags every deltaserve-vs-vLLM benchmark takes."""
+    ap.add_argument("--direct-ingress", action="store_true",
+                    help="deltaserve up --direct-ingress (no Serve proxy hop); the page's name gets _direct")
+    ap.add_argument("--no-install", action="store_true", help="do not run scripts/vllm_env.sh first")
+    ap.add_argument("--out-dir", type=Path, default=None, help="results folder (default benchmarks/results)")
+
+
+def vllm_side(args: argparse.Namespace) -> str | None:
+    """None when the vLLM side runs, else why it is skipped (printed)."""
+    skipped = ensure_vllm(install=not args.no_install)
+    if skipped:
+        print(f"vLLM side skipped: {skipped}", flush=True)
+    return skipped
+
+
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2, help="timed rounds after the warm-up round")
     ap.add_argument("--threads", type=int, default=1, help="compute threads per engine process, both systems")
-    ap.add_argument("--direct-ingress", action="store_true", help="deltaserve up --direct-ingress; page vs_vllm_direct")
-    ap.add_argument("--no-install", action="store_true", help="do not run scripts/vllm_env.sh first")
-    ap.add_argument("--out-dir", type=Path, default=None, help="results folder (default benchmarks/results)")
+    add_peer_args(ap)
     return ap.parse_args()
 
 
@@ -408,9 +422,7 @@ def main() -> int:
     t_start = time.perf_counter()
     torch.set_num_threads(args.threads)
     commit = git_commit()
-    skipped = ensure_vllm(install=not args.no_install)
-    if skipped:
-        print(f"vLLM side skipped: {skipped}", flush=True)
+    skipped = vllm_side(args)
     tok = load_tokenizer(REFERENCE)
     model = load_model(REFERENCE)
     pool = PlatformConfig().pools["standard"]

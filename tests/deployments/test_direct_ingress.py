@@ -35,6 +35,8 @@ def test_direct_ingress_serves_http_and_grpc_on_the_configured_ports(tmp_path):
                        env={"DELTASERVE_API_KEY": KEY}) as up:
         check_up_serves(up.output, up.proc.pid, up.http_port, up.grpc_port, KEY, actor_calls=False,
                         direct_ingress=True)
+        # the mode's caveat (Serve 2.60 keeps a dead ingress replica's ports) is said at start
+        assert any("if it dies, Serve 2.60 keeps its ports" in ln for ln in up.output), up.output
         assert _listeners(up.http_port) == ["127.0.0.1"] and _listeners(up.grpc_port) == ["127.0.0.1"]
         cmdlines = _processes(up.proc.pid)
         assert any(b"ServeReplica:deltaserve:ingress" in c for c in cmdlines)

@@ -4,6 +4,7 @@ direct_ingress_env``); streams, hang-ups, errors, gRPC health and reflection beh
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -20,14 +21,19 @@ KEY = "ds-direct-ingress-key-0123456789abcdef"
 SERVICE = "deltaserve.v1.Inference"
 
 
-def _processes(pid: int) -> list[bytes]:
-    out = []
-    for p in descendants(pid):
+def _listening_pid(port: int, pids: list[int]) -> int | None:
+    """Which of ``pids`` holds the socket listening on ``port`` (its inode in /proc/net/tcp{,6}, then the
+    process whose file descriptors include that socket)."""
+    lines = [ln.split() for table in ("/proc/net/tcp", "/proc/net/tcp6") for ln in Path(table).read_text().splitlines()[1:]]
+    inode = next(f[9] for f in lines if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port)
+    for pid in pids:
+        fds = Path(f"/proc/{pid}/fd")
         try:
-            out.append(Path(f"/proc/{p}/cmdline").read_bytes())
+            if any(os.readlink(fd) == f"socket:[{inode}]" for fd in fds.iterdir()):
+                return pid
         except OSError:
             continue
-    return out
+    return None
 
 
 def test_direct_ingress_serves_http_and_grpc_on_the_configured_ports(tmp_path):
@@ -38,31 +44,37 @@ def test_direct_ingress_serves_http_and_grpc_on_the_configured_ports(tmp_path):
         # the mode's caveat (Serve 2.60 keeps a dead ingress replica's ports) is said at start
         assert any("if it dies, Serve 2.60 keeps its ports" in ln for ln in up.output), up.output
         assert _listeners(up.http_port) == ["127.0.0.1"] and _listeners(up.grpc_port) == ["127.0.0.1"]
-        cmdlines = _processes(up.proc.pid)
-        assert any(b"ServeReplica:deltaserve:ingress" in c for c in cmdlines)
-        # Serve still starts its proxy actor (idle, on two other ports: deployments.cli.up.start)
+        # both ports are the ingress replica's own sockets (Serve's proxy actor still starts, idle on two other
+        # ports: deployments.cli.up.start)
+        ingress = [p for p in descendants(up.proc.pid)
+                   if b"ServeReplica:deltaserve:ingress" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(ingress) == 1
+        assert _listening_pid(up.http_port, descendants(up.proc.pid)) == ingress[0]
+        assert _listening_pid(up.grpc_port, descendants(up.proc.pid)) == ingress[0]
         base = f"http://127.0.0.1:{up.http_port}/v1"
 
         # concurrent streams through the official client, each to its max_tokens
         client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0, timeout=120)
-        results: dict[int, tuple[str, str | None, int]] = {}
+        results: dict[int, tuple[str | None, int]] = {}
 
         def stream(i: int) -> None:
-            text, reason = [], None
+            reason, tokens = None, 0
             for chunk in client.completions.create(model="k3-tiny", prompt=f"# stream {i}\n" + "x = 1\n" * 40,
                                                    max_tokens=24, temperature=0, stream=True,
+                                                   stream_options={"include_usage": True},
                                                    extra_body={"ignore_eos": True}):
                 if chunk.choices:
-                    text.append(chunk.choices[0].text)
                     reason = chunk.choices[0].finish_reason or reason
-            results[i] = ("".join(text), reason, len("".join(text)))
+                if chunk.usage:
+                    tokens = chunk.usage.completion_tokens
+            results[i] = (reason, tokens)
 
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(6)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=180)
-        assert sorted(results) == list(range(6)) and all(r[1] == "length" for r in results.values()), results
+        assert results == {i: ("length", 24) for i in range(6)}, results
 
         # a client that hangs up mid-stream; the next request is served
         with httpx.stream("POST", f"{base}/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,

@@ -255,10 +255,10 @@ class PlatformConfig(_Strict):
                                  "ingress, RAY_SERVE_ENABLE_DIRECT_INGRESS=1 with both port ranges pinned), with no "
                                  "proxy actor in between: about a third of the front end's CPU per request "
                                  "(benchmarks/results/request_cost_direct.md). Serve still starts its (idle) proxy "
-                                 "actor, on two other free ports of host. The ports belong to the replica: Serve "
-                                 "2.60 does not release those of an ingress replica that died, so its replacement "
-                                 "cannot bind them (HTTP and gRPC stay down until deltaserve up restarts), and one "
-                                 "being replaced holds them while it drains; the Kubernetes manifests keep the proxy")
+                                 "actor, on two other free ports of host. The ports belong to the replica: after it "
+                                 "dies nothing answers on them until Serve gives them to its replacement, about 65 s "
+                                 "(deployments.cli.up.PORT_QUARANTINE_S), and one being replaced holds them while it "
+                                 "drains (30 s at least); the Kubernetes manifests keep the proxy")
 
     @field_validator("pools")
     @classmethod

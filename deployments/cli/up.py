@@ -136,9 +136,9 @@ def serve_env(config: PlatformConfig) -> dict[str, str]:
     benchmarks/bench_serving.py measures this mode. Direct ingress (the ingress replica serving
     HTTP and gRPC itself, no proxy actor) is off unless ``direct_ingress`` (``--direct-ingress``): it
     cuts the front end's CPU per request to about a third (benchmarks/results/request_cost.md vs
-    request_cost_direct.md), but the ports belong to the replica: Serve 2.60 does not release those of a
-    replica that died, so no replacement can bind them, and one being replaced holds them while it drains
-    (the proxy keeps its ports across ingress restarts). The router keeps its own loop, so handles also work from
+    request_cost_direct.md), but the ports belong to the replica: one being replaced holds them while it
+    drains, and after one died they stay unanswered for about a minute (:func:`direct_ingress_env`; the
+    proxy keeps its ports and holds requests across ingress restarts). The router keeps its own loop, so handles also work from
     threads (the expert pool's handle transport, the CLI). Its gRPC message limit is raised per deployment
     (``deployments/app.py``), so that a handoff at the full context fits.
     """
@@ -151,12 +151,19 @@ def serve_env(config: PlatformConfig) -> dict[str, str]:
     return env
 
 
+PORT_QUARANTINE_S = 65  # a dead direct-ingress replica's ports return after TIME_WAIT (60 s) has passed
+
+
 def direct_ingress_env(http_port: int, grpc_port: int) -> dict[str, str]:
     """Serve's direct ingress with the one ingress replica's ports pinned: Serve allocates each ingress
     replica a port from ``range(MIN, MAX)`` per protocol, so ``[port, port + 1)`` leaves it exactly the
     configured one. The replica's servers bind ``host`` (``HTTPOptions``; gRPC through the proxy callback,
-    which the replica runs as a proxy would, with its middleware)."""
-    return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+    which the replica runs as a proxy would, with its middleware). A replica that died leaves its ports in
+    Serve's quarantine for ``RAY_SERVE_PORT_QUARANTINE_S`` (150 s by default, for HAProxy's connections to
+    drain; none runs here): :data:`PORT_QUARANTINE_S` instead. Not 0: Serve binds the replacement's socket
+    without ``SO_REUSEADDR``, so while the dead replica's connections linger in TIME_WAIT (60 s on Linux)
+    the bind fails, and Serve then blocks the port for good."""
+    return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_PORT_QUARANTINE_S": str(PORT_QUARANTINE_S),
             "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(http_port),
             "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http_port + 1),
             "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(grpc_port),
@@ -358,10 +365,6 @@ def up(args: argparse.Namespace) -> int:
         print(f"deltaserve: starting Ray and Serve (model {config.model}, pools {list(config.pools)}, "
               f"experts {config.expert_mode}, cache {'Redis ' + str(redis_url(config)) if config.cache.enabled else 'off'}, "
               f"Ray metrics on port {metrics.export_port})...", flush=True)
-        if config.direct_ingress:
-            print("deltaserve: direct ingress: the ingress replica serves HTTP and gRPC itself; if it dies, Serve "
-                  "2.60 keeps its ports and no replacement can bind them: restart deltaserve up "
-                  "(docs/architecture.md, \"Direct ingress\")", flush=True)
         traces = otlp_export()  # every replica inherits this environment and exports the same way
         print(f"deltaserve: traces: {traces.describe() if traces else 'off (OTEL_EXPORTER_OTLP_ENDPOINT not set)'}",
               flush=True)
@@ -410,8 +413,7 @@ def add_up_parser(sub) -> None:
                    help="start Ray without Serve's throughput-optimized mode (Ray actor calls between replicas)")
     p.add_argument("--direct-ingress", action="store_true",
                    help="the ingress replica serves HTTP and gRPC itself on the configured ports, no Serve proxy "
-                        "(less CPU per request; an ingress replica that dies is not replaced on them: see "
-                        "PlatformConfig.direct_ingress)")
+                        "(less CPU per request; see PlatformConfig.direct_ingress)")
     p.add_argument("--redis-url", default=None, help="the cache's Redis (default $DELTASERVE_REDIS_URL, else a local redis-server is started)")
     p.add_argument("--no-cache", action="store_true", help="run without the prefix/KDA-state cache")
     p.add_argument("--replicas", action="append", metavar="DEPLOYMENT=N",

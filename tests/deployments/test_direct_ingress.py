@@ -1,17 +1,22 @@
 """`deltaserve up --direct-ingress`: the ingress replica serves HTTP and gRPC itself, on the configured ports
 and on 127.0.0.1 only, not through Serve's proxy actor (``PlatformConfig.direct_ingress``, ``deployments.cli.up.
-direct_ingress_env``); streams, hang-ups, errors, gRPC health and reflection behave as through the proxy."""
+direct_ingress_env``); streams, hang-ups, errors, gRPC health and reflection behave as through the proxy, and an
+ingress replica that dies is replaced on the same ports."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import threading
+import time
 from pathlib import Path
 
 import grpc
 import httpx
 import openai
 
+from deployments.cli.up import PORT_QUARANTINE_S
 from deployments.proto.deltaserve.v1 import inference_pb2 as pb
 from deployments.proto.deltaserve.v1 import inference_pb2_grpc as pb_grpc
 from tests.deployments.test_security_defaults import _listeners
@@ -41,8 +46,6 @@ def test_direct_ingress_serves_http_and_grpc_on_the_configured_ports(tmp_path):
                        env={"DELTASERVE_API_KEY": KEY}) as up:
         check_up_serves(up.output, up.proc.pid, up.http_port, up.grpc_port, KEY, actor_calls=False,
                         direct_ingress=True)
-        # the mode's caveat (Serve 2.60 keeps a dead ingress replica's ports) is said at start
-        assert any("if it dies, Serve 2.60 keeps its ports" in ln for ln in up.output), up.output
         assert _listeners(up.http_port) == ["127.0.0.1"] and _listeners(up.grpc_port) == ["127.0.0.1"]
         # both ports are the ingress replica's own sockets (Serve's proxy actor still starts, idle on two other
         # ports: deployments.cli.up.start)
@@ -115,3 +118,20 @@ def test_direct_ingress_serves_http_and_grpc_on_the_configured_ports(tmp_path):
                 raise AssertionError("a bad key was served")
             except grpc.RpcError as e:
                 assert e.code() is grpc.StatusCode.UNAUTHENTICATED, (e.code(), e.details())
+
+        # an ingress replica that dies (the client's keep-alive connections to it open) is replaced on the same
+        # ports once Serve's quarantine of them ends (deployments.cli.up.PORT_QUARANTINE_S)
+        os.kill(ingress[0], signal.SIGKILL)
+        t_kill = time.monotonic()
+        deadline = t_kill + PORT_QUARANTINE_S + 60
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base}/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=5).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, f"no answer on the HTTP port {deadline - t_kill:.0f} s after the ingress replica died"
+            time.sleep(0.2)
+        successor = [p for p in descendants(up.proc.pid)
+                     if b"ServeReplica:deltaserve:ingress" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert successor and successor != ingress
+        assert _listening_pid(up.http_port, descendants(up.proc.pid)) == successor[0]
+        assert client.completions.create(model="k3-tiny", prompt="again", max_tokens=3).usage.completion_tokens == 3

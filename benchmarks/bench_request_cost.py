@@ -9,13 +9,15 @@ stream) and with 64 (``bench_vs_vllm``'s 16 x 100 workload); every wave has its 
 hits on either system). Before every wave the machine settles
 (``bench_vs_vllm.settle``); waves alternate between the systems.
 
-Around each wave every process's CPU time (user + system, all threads) is read from ``/proc`` and summed by role:
+Around each wave every process's CPU time (user + system, all threads) is read from ``/proc`` and summed by role,
+over the processes of the system under measurement and the client (the other system's, idle meanwhile, are left
+out):
 
 * front end: deltaserve's Serve HTTP proxy actor and ingress replica(s); vLLM's API server process;
 * engine: deltaserve's prefill and decode replicas; vLLM's engine core and its worker;
 * client: this process (httpx, the same code for both);
-* rest: every other process of the machine's Ray cluster, Redis, Prometheus and vLLM (Serve's controller, GCS,
-  raylet, dashboard, ...).
+* rest: the system's other processes (deltaserve: Serve's controller, Ray's GCS, raylet and dashboard, Redis,
+  Prometheus; vLLM: any other of its processes).
 
 Figures: CPU milliseconds per request (a wave's CPU / 16), medians over the timed waves; TTFT p50 over every
 request of the timed waves. The front end's CPU during the arrival of a burst competes with prefill for the
@@ -60,22 +62,25 @@ ROLES = ("front end", "engine", "client", "rest")
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
-def role_of(cmdline: str, pid: int) -> str | None:
-    """The role of a process by its command line (module docstring); None: not part of either system."""
+def role_of(cmdline: str, pid: int) -> tuple[str | None, str] | None:
+    """(system, role) of a process by its command line (module docstring; system None for the client, this
+    process); None: part of neither system."""
     if pid == os.getpid():
-        return "client"
-    if "ProxyActor" in cmdline or "ServeReplica:deltaserve:ingress" in cmdline or "openai.api_server" in cmdline:
-        return "front end"
-    if any(s in cmdline for s in ("ServeReplica:deltaserve:prefill-", "ServeReplica:deltaserve:decode-",
-                                  "VLLM::EngineCore", "VLLM::Worker")):
-        return "engine"
-    if any(s in cmdline for s in ("ray", "redis", "prometheus", "vllm", "VLLM")):
-        return "rest"
+        return None, "client"
+    if "vllm" in cmdline or "VLLM" in cmdline:
+        role = "front end" if "openai.api_server" in cmdline else "engine" if "VLLM::" in cmdline else "rest"
+        return VLLM, role
+    if "ProxyActor" in cmdline or "ServeReplica:deltaserve:ingress" in cmdline:
+        return DELTASERVE, "front end"
+    if "ServeReplica:deltaserve:prefill-" in cmdline or "ServeReplica:deltaserve:decode-" in cmdline:
+        return DELTASERVE, "engine"
+    if any(s in cmdline for s in ("ray", "redis", "prometheus")):
+        return DELTASERVE, "rest"
     return None
 
 
-def cpu_by_role() -> dict[int, tuple[str, float]]:
-    """pid -> (role, CPU seconds so far) for every process of either system."""
+def cpu_by_role() -> dict[int, tuple[str | None, str, float]]:
+    """pid -> (system, role, CPU seconds so far) for every process of either system and the client."""
     out = {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -84,20 +89,22 @@ def cpu_by_role() -> dict[int, tuple[str, float]]:
             cmd = Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             stat = Path(f"/proc/{d}/stat").read_text()
             fields = stat[stat.rindex(")") + 2:].split()
-            role = role_of(cmd, int(d)) or (role_of(stat[stat.index("(") + 1:stat.rindex(")")], int(d)))
-            if role is not None:
-                out[int(d)] = (role, (int(fields[11]) + int(fields[12])) / _TICK)
+            found = role_of(cmd, int(d)) or role_of(stat[stat.index("(") + 1:stat.rindex(")")], int(d))
+            if found is not None:
+                out[int(d)] = (*found, (int(fields[11]) + int(fields[12])) / _TICK)
     return out
 
 
-def wave(base: str, key: str, model: str, texts: list[str], w: Workload) -> dict:
-    """One wave with every role's CPU seconds around it."""
+def wave(system: str, base: str, key: str, model: str, texts: list[str], w: Workload) -> dict:
+    """One wave of ``system`` with its roles' CPU seconds (and the client's) around it; the other system's
+    processes, idle meanwhile, are not counted."""
     before = cpu_by_role()
     r = http_wave(base, key, model, texts, w.new_tokens)
     after = cpu_by_role()
     cpu = dict.fromkeys(ROLES, 0.0)
-    for pid, (role, t) in after.items():
-        cpu[role] += t - before.get(pid, (role, 0.0))[1]  # a process started during the wave counts from 0
+    for pid, (owner, role, t) in after.items():
+        if owner in (system, None):
+            cpu[role] += t - before.get(pid, (owner, role, 0.0))[2]  # a process started during the wave counts from 0
     bad = [(p, c) for p, c in zip(r["prompt_tokens"], r["completion_tokens"]) if (p, c) != (w.prompt_tokens, w.new_tokens)]
     if bad:
         raise RuntimeError(f"{model} {w.name}: (prompt, completion) tokens {bad[:3]}, expected "
@@ -139,7 +146,7 @@ def main() -> int:
                 texts = prompts(w, f"rc{i}-{w.new_tokens}", text)  # no prefix cache hit across waves
                 for name, (base, model) in servers.items():
                     settle()
-                    r = wave(base, key, model, texts, w)
+                    r = wave(name, base, key, model, texts, w)
                     print(f"{i} {w.name:20s} {name:20s} TTFT p50 {np.percentile(r['ttft'], 50):.3f} s  "
                           + "  ".join(f"{k} {v * 1e3 / w.requests:.1f}" for k, v in r["cpu_s"].items())
                           + " ms/request", flush=True)
@@ -175,8 +182,8 @@ def main() -> int:
         "",
         f"Waves of 16 concurrent streaming requests of 100-token prompts, greedy, ignore_eos, 1 or 64 new tokens; "
         f"{args.waves} timed waves per system and workload after 2 warm-ups, alternating systems, the machine "
-        f"settled before each; CPU: every process's user + system time from /proc around a wave, summed by role, "
-        f"per request; medians over the waves. Roles: front end (deltaserve: Serve's HTTP proxy actor (idle with "
+        f"settled before each; CPU: user + system time from /proc around a wave of each process of the system "
+        f"under measurement and of the client, summed by role, per request; medians over the waves. Roles: front end (deltaserve: Serve's HTTP proxy actor (idle with "
         f"direct ingress) and the ingress replica; vLLM: its API server), engine (prefill and decode replicas; "
         f"vLLM's engine core and worker), "
         f"client (the benchmark's httpx client, the same for both), rest (Serve's controller, Ray's GCS, raylet "

@@ -253,7 +253,7 @@ class PlatformConfig(_Strict):
     direct_ingress: bool = Field(False, description="when `deltaserve up` starts the local Ray cluster: the ingress "
                                  "replica serves HTTP and gRPC itself on http_port and grpc_port (Serve's direct "
                                  "ingress, RAY_SERVE_ENABLE_DIRECT_INGRESS=1 with both port ranges pinned), with no "
-                                 "proxy actor in between: about a third of the front end's CPU per request "
+                                 "proxy actor in between: a third to a half of the front end's CPU per request "
                                  "(benchmarks/results/request_cost_direct.md). Serve still starts its (idle) proxy "
                                  "actor, on two other free ports of host. The ports belong to the replica: after it "
                                  "dies nothing answers on them until Serve gives them to its replacement, about 65 s "

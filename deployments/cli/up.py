@@ -135,7 +135,7 @@ def serve_env(config: PlatformConfig) -> dict[str, str]:
     from 0.61 of the in-process engine's tokens/s (actor calls) to about 0.7 in interleaved runs;
     benchmarks/bench_serving.py measures this mode. Direct ingress (the ingress replica serving
     HTTP and gRPC itself, no proxy actor) is off unless ``direct_ingress`` (``--direct-ingress``): it
-    cuts the front end's CPU per request to about a third (benchmarks/results/request_cost.md vs
+    cuts the front end's CPU per request to a third to a half (benchmarks/results/request_cost.md vs
     request_cost_direct.md), but the ports belong to the replica: one being replaced holds them while it
     drains, and after one died they stay unanswered for about a minute (:func:`direct_ingress_env`; the
     proxy keeps its ports and holds requests across ingress restarts). The router keeps its own loop, so handles also work from

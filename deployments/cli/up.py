@@ -241,6 +241,10 @@ def _load_config(args: argparse.Namespace) -> tuple[PlatformConfig, str | None]:
                if v is not None}
     config = PlatformConfig.load({**config.model_dump(), **updates}).with_replicas(parse_replicas(args.replicas or []))
     config = with_autoscale(config, args.autoscale, args.budget)
+    if config.direct_ingress:  # serve_env lets the environment win: a value set there would leave the ports unserved
+        for name, value in direct_ingress_env(config.http_port, config.grpc_port).items():
+            if os.environ.get(name, value) != value:
+                raise ValueError(f"--direct-ingress needs {name}={value}; the environment sets {os.environ[name]!r}")
     cache_updates = {k: v for k, v in {"redis_url": args.redis_url, "enabled": False if args.no_cache else None}.items()
                      if v is not None}
     metrics_updates = {k: v for k, v in {"export_port": args.metrics_export_port, "prometheus_port": args.prometheus_port,

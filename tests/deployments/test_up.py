@@ -40,3 +40,26 @@ def test_autoscale_and_budget_flags_reach_the_config(tmp_path):
                            (["--autoscale", "--budget", "3"], "autoscale budget 3 is below the floors' sum 4")):
         with pytest.raises(ValueError, match=message):
             up._load_config(parser.parse_args(common + extra))
+
+
+def test_direct_ingress_flag_reaches_the_config_and_refuses_a_conflicting_environment(tmp_path, monkeypatch):
+    """`--direct-ingress` pins Serve's direct-ingress port ranges to the configured ports; a value of those variables
+    already in the environment (which serve_env lets win) is refused before anything starts."""
+    import argparse
+
+    from deployments.cli import up
+
+    parser = argparse.ArgumentParser()
+    up.add_up_parser(parser.add_subparsers())
+    common = ["up", "--tenants", str(tmp_path / "tenants.yaml"), "--no-cache", "--http-port", "18123",
+              "--grpc-port", "19123"]
+    config, _ = up._load_config(parser.parse_args(common))
+    assert config.direct_ingress is False and up.serve_env(config)["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "0"
+    config, _ = up._load_config(parser.parse_args(common + ["--direct-ingress"]))
+    env = up.serve_env(config)
+    assert config.direct_ingress is True and env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+    assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]) == ("18123", "18124")
+    assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT"]) == ("19123", "19124")
+    monkeypatch.setenv("RAY_SERVE_ENABLE_DIRECT_INGRESS", "0")
+    with pytest.raises(ValueError, match="--direct-ingress needs RAY_SERVE_ENABLE_DIRECT_INGRESS=1; the environment sets '0'"):
+        up._load_config(parser.parse_args(common + ["--direct-ingress"]))

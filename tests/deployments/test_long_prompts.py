@@ -71,11 +71,12 @@ def test_a_prompt_at_the_full_context_streams_through_deltaserve_up(shared_platf
     _streams_the_full_context(shared_platform.http_url, shared_platform.key)
 
 
-def test_a_prompt_at_the_full_context_streams_through_deltaserve_up_with_actor_calls(tmp_path):
-    """``--serve-actor-calls``: first what a ready `deltaserve up` shows in either mode (its default mode is checked
-    on the shared platform in tests/deployments/test_up.py), then the full context."""
+def test_a_prompt_at_the_full_context_streams_through_deltaserve_up_with_actor_calls_and_the_proxy(tmp_path):
+    """``--serve-actor-calls --front-end proxy`` (Ray actor calls between replicas; Serve's proxy actor on the ports):
+    first what a ready `deltaserve up` shows in any mode (its defaults are checked on the shared platform in
+    tests/deployments/test_up.py), then the full context."""
     key = "ds-long-prompt-key-0123456789abcdef"
-    with deltaserve_up(["--tenants", str(tmp_path / "tenants.yaml"), "--no-cache", "--serve-actor-calls"],
-                       env={"DELTASERVE_API_KEY": key}) as up:
-        check_up_serves(up.output, up.proc.pid, up.http_port, up.grpc_port, key, actor_calls=True)
+    with deltaserve_up(["--tenants", str(tmp_path / "tenants.yaml"), "--no-cache", "--serve-actor-calls",
+                        "--front-end", "proxy"], env={"DELTASERVE_API_KEY": key}) as up:
+        check_up_serves(up.output, up.proc.pid, up.http_port, up.grpc_port, key, actor_calls=True, front_end="proxy")
         _streams_the_full_context(f"http://127.0.0.1:{up.http_port}", key)

@@ -58,17 +58,21 @@ def test_bad_overrides_and_fields_are_named():
         PlatformConfig.load({"modle": "k3-tiny"})
 
 
-def test_serve_env_is_throughput_optimized_with_serve_proxies_and_never_overrides(monkeypatch):
+def test_serve_env_is_throughput_optimized_with_the_front_end_and_never_overrides(monkeypatch):
+    """(The HAProxy front end's variables, the default's: tests/deployments/test_up.py.)"""
     import os
 
     from deployments.cli.up import _environ, serve_env
 
     env = serve_env(PlatformConfig())
+    assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1" and env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     grpc_host = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "deployments.gateway.grpc_proxy.bind_grpc_to_host",
                  "DELTASERVE_GRPC_HOST": "127.0.0.1", "MALLOC_MMAP_THRESHOLD_": "8388608"}
-    assert env == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
-                   "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1", **grpc_host}
-    assert serve_env(PlatformConfig(serve_throughput_optimized=False)) == grpc_host
+    proxies = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "0", "RAY_SERVE_ENABLE_HA_PROXY": "0"}
+    assert serve_env(PlatformConfig(front_end="proxy")) == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+                                                            "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1",
+                                                            **proxies, **grpc_host}
+    assert serve_env(PlatformConfig(serve_throughput_optimized=False, front_end="proxy")) == {**grpc_host, **proxies}
     assert serve_env(PlatformConfig(host="10.0.0.5"))["DELTASERVE_GRPC_HOST"] == "10.0.0.5"
     monkeypatch.delenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", raising=False)
     monkeypatch.setenv("RAY_SERVE_ENABLE_DIRECT_INGRESS", "1")  # the operator's choice wins

@@ -2,6 +2,8 @@
 prints its ready line, serves HTTP with the key it was given, and stops cleanly on Ctrl-C
 (tests/deployments/up_process.py); and its flags."""
 
+import os
+
 import pytest
 
 from tests.deployments.up_process import check_up_serves
@@ -42,9 +44,11 @@ def test_autoscale_and_budget_flags_reach_the_config(tmp_path):
             up._load_config(parser.parse_args(common + extra))
 
 
-def test_direct_ingress_flag_reaches_the_config_and_refuses_a_conflicting_environment(tmp_path, monkeypatch):
-    """`--direct-ingress` pins Serve's direct-ingress port ranges to the configured ports; a value of those variables
-    already in the environment (which serve_env lets win) is refused before anything starts."""
+def test_front_end_flags_reach_the_config_and_refuse_a_conflicting_environment(tmp_path, monkeypatch):
+    """HAProxy by default (its binary through the loopback wrapper on a loopback host; its side ports free and
+    distinct), Serve's proxy with `--front-end proxy`, and `--direct-ingress` (= `--front-end direct`) pinning Serve's
+    direct-ingress port ranges to the configured ports; a value of the variables that choose the front end already
+    in the environment (which serve_env lets win) is refused before anything starts."""
     import argparse
 
     from deployments.cli import up
@@ -54,12 +58,36 @@ def test_direct_ingress_flag_reaches_the_config_and_refuses_a_conflicting_enviro
     common = ["up", "--tenants", str(tmp_path / "tenants.yaml"), "--no-cache", "--http-port", "18123",
               "--grpc-port", "19123"]
     config, _ = up._load_config(parser.parse_args(common))
-    assert config.direct_ingress is False and up.serve_env(config)["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "0"
+    env = up.serve_env(config)
+    assert config.front_end == "haproxy"
+    assert (env["RAY_SERVE_ENABLE_HA_PROXY"], env["RAY_SERVE_ENABLE_DIRECT_INGRESS"]) == ("1", "1")
+    assert env["RAY_SERVE_HAPROXY_BINARY_PATH"] == str(up.HAPROXY_LOOPBACK)
+    assert os.access(up.HAPROXY_LOOPBACK, os.X_OK) and os.access(env["DELTASERVE_HAPROXY_BINARY"], os.X_OK)
+    side = [env[f"RAY_SERVE_{name}_PORT"] for name in ("HAPROXY_STATS", "HAPROXY_METRICS", "FALLBACK_PROXY_HTTP",
+                                                        "FALLBACK_PROXY_GRPC")]
+    assert len(set(side) | {"18123", "19123"}) == 6, side
+    everywhere = up.serve_env(config.model_copy(update={"host": "0.0.0.0"}))
+    assert "RAY_SERVE_HAPROXY_BINARY_PATH" not in everywhere  # told to listen everywhere: Serve's binds as they are
+
+    config, _ = up._load_config(parser.parse_args(common + ["--front-end", "proxy"]))
+    env = up.serve_env(config)
+    assert config.front_end == "proxy"
+    assert (env["RAY_SERVE_ENABLE_HA_PROXY"], env["RAY_SERVE_ENABLE_DIRECT_INGRESS"]) == ("0", "0")
+
     config, _ = up._load_config(parser.parse_args(common + ["--direct-ingress"]))
     env = up.serve_env(config)
-    assert config.direct_ingress is True and env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+    assert config.front_end == "direct" and env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+    assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "0"
     assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]) == ("18123", "18124")
     assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT"]) == ("19123", "19124")
     monkeypatch.setenv("RAY_SERVE_ENABLE_DIRECT_INGRESS", "0")
-    with pytest.raises(ValueError, match="--direct-ingress needs RAY_SERVE_ENABLE_DIRECT_INGRESS=1; the environment sets '0'"):
+    with pytest.raises(ValueError, match="front end 'direct' needs RAY_SERVE_ENABLE_DIRECT_INGRESS=1; the environment "
+                                         "sets '0'"):
         up._load_config(parser.parse_args(common + ["--direct-ingress"]))
+    monkeypatch.delenv("RAY_SERVE_ENABLE_DIRECT_INGRESS")
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")
+    with pytest.raises(ValueError, match="front end 'haproxy' needs RAY_SERVE_ENABLE_HA_PROXY=1; the environment sets '0'"):
+        up._load_config(parser.parse_args(common))
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")
+    with pytest.raises(ValueError, match="front end 'proxy' needs RAY_SERVE_ENABLE_HA_PROXY=0; the environment sets '1'"):
+        up._load_config(parser.parse_args(common + ["--front-end", "proxy"]))

@@ -164,13 +164,13 @@ def serve_replica_environs(pid: int) -> list[dict[str, str]]:
 
 
 def check_up_serves(output: list[str], pid: int, http_port: int, grpc_port: int, key: str, *, actor_calls: bool,
-                    direct_ingress: bool = False) -> None:
+                    front_end: str = "haproxy") -> None:
     """What a ready `deltaserve up` (pid ``pid``; ``key``: the one it was given in $DELTASERVE_API_KEY, or the one it
     generated and showed) shows in either
     Serve mode: a ready line with its addresses, a curl example with the key, HTTP that wants the key and
     serves both models, and every Serve replica in the environment `up` gave Ray
-    (``deployments.cli.up.serve_env``: throughput-optimized unless ``--serve-actor-calls``; Serve's direct ingress
-    with ``--direct-ingress``)."""
+    (``deployments.cli.up.serve_env``: throughput-optimized unless ``--serve-actor-calls``; Serve's HAProxy mode, its
+    proxy or its direct ingress as ``--front-end`` says)."""
     at = next(i for i, ln in enumerate(output) if ln.startswith("deltaserve: ready"))
     ready = output[at]
     assert f"http://127.0.0.1:{http_port}/v1" in ready and f"127.0.0.1:{grpc_port}" in ready, ready
@@ -198,4 +198,5 @@ def check_up_serves(output: list[str], pid: int, http_port: int, grpc_port: int,
             assert "RAY_SERVE_THROUGHPUT_OPTIMIZED" not in e
         else:
             assert e.get("RAY_SERVE_THROUGHPUT_OPTIMIZED") == "1"
-            assert e.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == ("1" if direct_ingress else "0")
+        assert e.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == ("0" if front_end == "proxy" else "1")
+        assert e.get("RAY_SERVE_ENABLE_HA_PROXY") == ("1" if front_end == "haproxy" else "0")

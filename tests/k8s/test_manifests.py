@@ -204,7 +204,7 @@ def test_cpu_serve_config_is_what_deltaserve_up_deploys(objects):
     up = serve_schema([("deltaserve", "/", cpu.config)])
     assert ours.applications[0].model_dump(warnings=False) == up.applications[0].model_dump(warnings=False)
     assert cpu.config.model_dump() == {**CONFIG.model_dump(), "host": "0.0.0.0", "replica_num_cpus": 0.5,
-                                       "tenants_file": f"{n.TENANTS_DIR}/tenants.yaml",
+                                       "tenants_file": f"{n.TENANTS_DIR}/tenants.yaml", "front_end": "proxy",
                                        "metrics": {**CONFIG.metrics.model_dump(), "prometheus": False}}
 
 

@@ -1,17 +1,16 @@
-"""Serve's HTTP proxy vs direct ingress (the ingress replica serving HTTP itself) under `deltaserve up`.
+"""What answers on `deltaserve up`'s ports (``--front-end``, ``PlatformConfig.front_end``), side by side.
 
-`deltaserve up` serves HTTP through Serve's proxy actor: client -> proxy (uvicorn) -> ingress replica (a Serve
-streaming call per request, an item per SSE event) -> prefill / decode. With ``--direct-ingress``
-(``PlatformConfig.direct_ingress``) the ingress replica runs the application's HTTP and gRPC servers itself on the
-configured ports (Serve's direct ingress), which removes one process and one Serve hop from every request and
-every chunk. This benchmark measures what that buys: `deltaserve up` on its defaults (one replica per deployment),
-started alternately each way; 16 concurrent streaming requests of ~100-token prompts x 64 new tokens, greedy,
-``ignore_eos``; a warm-up wave, then ``--waves`` timed waves per start; ``--reps`` starts of each, interleaved.
-Why it is not the default: docs/architecture.md ("Serve's mode").
+``haproxy`` (the default): an HAProxy process forwards to the ingress replica's own HTTP server (Serve's HAProxy mode
+over its direct ingress). ``proxy``: Serve's proxy actor (uvicorn) then a Serve streaming call per request into the
+ingress replica, an item per SSE event. ``direct``: the ingress replica serves the port itself. Then, for every
+front end, ingress -> prefill / decode. `deltaserve up` on its defaults otherwise (one replica per deployment),
+started in turn each way; 16 concurrent streaming requests of ~100-token prompts x 64 new tokens, greedy,
+``ignore_eos``; a warm-up wave, then ``--waves`` timed waves per start; ``--reps`` starts of each, the order rotating.
+Why the default is HAProxy and not the bare direct path: docs/architecture.md ("Front end").
 
-Writes ``benchmarks/results/direct_ingress.{json,md}``.
+Writes ``benchmarks/results/front_ends.{json,md}``.
 
-    .venv/bin/python benchmarks/bench_direct_ingress.py
+    .venv/bin/python benchmarks/bench_front_ends.py
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from benchmarks.report import write_report  # noqa: E402
 from deployments.tenancy import TenantRegistry  # noqa: E402
 from tests.deployments.up_process import deltaserve_up  # noqa: E402
 
-MODES = ("proxy", "direct")
+MODES = ("haproxy", "proxy", "direct")
 
 
 def bench_tenant(prefix: str, pools: tuple[str, ...] = ("standard",)) -> tuple[Path, str]:
@@ -57,21 +56,20 @@ def burst_texts(text: str, tag: str, salt: int, streams: int, prompt_chars: int)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=2, help="starts of each mode, interleaved")
+    ap.add_argument("--reps", type=int, default=3, help="starts of each front end, the order rotating")
     ap.add_argument("--waves", type=int, default=3, help="timed waves per start (after one warm-up wave)")
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--prompt-chars", type=int, default=100, help="prompt length (the byte tokenizer: ~1 token each)")
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
 
-    tmp, key = bench_tenant("bench_direct_ingress_")
+    tmp, key = bench_tenant("bench_front_ends_")
     text = corpus()
     waves: dict[str, list[dict]] = {m: [] for m in MODES}
     t_start = time.monotonic()
     for rep in range(args.reps):
-        for mode in (MODES if rep % 2 == 0 else MODES[::-1]):
-            flags = ["--direct-ingress"] if mode == "direct" else []
-            with deltaserve_up(["--tenants", str(tmp / "tenants.yaml"), *flags]) as up:
+        for mode in MODES[rep % len(MODES):] + MODES[:rep % len(MODES)]:
+            with deltaserve_up(["--tenants", str(tmp / "tenants.yaml"), "--front-end", mode]) as up:
                 base = f"http://127.0.0.1:{up.http_port}"
                 for i in range(args.waves + 1):
                     texts = burst_texts(text, f"{mode} {rep} {i}", i * 131 + rep * 17, args.streams, args.prompt_chars)
@@ -87,23 +85,27 @@ def main() -> None:
     def med(mode: str, k: str) -> float:
         return statistics.median(x[k] for x in waves[mode])
 
-    rows = [{"mode": "Serve HTTP proxy (default)" if m == "proxy" else "direct ingress", "waves": len(waves[m]),
-             "tokens_per_s": med(m, "tokens_per_s"), "ttft_p50_s": med(m, "ttft_p50_s"),
-             "ttft_max_s": med(m, "ttft_max_s")} for m in MODES]
-    ratio_tps = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
-    ratio_ttft = rows[1]["ttft_p50_s"] / rows[0]["ttft_p50_s"]
-    notes = (f"`deltaserve up` on its defaults, {args.reps} starts of each mode interleaved, {args.waves} timed waves per "
-             f"start after a warm-up wave; each wave {args.streams} concurrent streams of {args.prompt_chars}-character "
-             f"prompts x {args.max_tokens} new tokens, greedy, `ignore_eos`; medians over the waves (TTFT: each wave's "
-             f"median, and its slowest). Direct ingress / proxy: tokens/s **{ratio_tps:.2f}x**, TTFT p50 "
-             f"**{ratio_ttft:.2f}x**. Whole run {time.monotonic() - t_start:.0f} s; the machine's 2 cores are shared "
-             "with other work, so compare the two modes, not absolute figures across runs.")
-    cmd = " ".join([".venv/bin/python benchmarks/bench_direct_ingress.py", *sys.argv[1:]])
-    paths = write_report("direct_ingress", rows, title="Serve's HTTP proxy vs direct ingress under deltaserve up",
-                         notes=notes, command=cmd)
+    labels = {"haproxy": "HAProxy + the ingress replica's server (default)", "proxy": "Serve's proxy actor",
+              "direct": "the ingress replica's server alone"}
+    rows = [{"front_end": m, "serves": labels[m], "waves": len(waves[m]), "tokens_per_s": med(m, "tokens_per_s"),
+             "ttft_p50_s": med(m, "ttft_p50_s"), "ttft_max_s": med(m, "ttft_max_s")} for m in MODES]
+    by = {r["front_end"]: r for r in rows}
+    ratios = {m: {"tokens_per_s": round(by[m]["tokens_per_s"] / by["proxy"]["tokens_per_s"], 3),
+                  "ttft_p50_s": round(by[m]["ttft_p50_s"] / by["proxy"]["ttft_p50_s"], 3)} for m in ("haproxy", "direct")}
+    notes = (f"`deltaserve up --front-end F`, its defaults otherwise, {args.reps} starts of each front end (the order "
+             f"rotating), {args.waves} timed waves per start after a warm-up wave; each wave {args.streams} concurrent "
+             f"streams of {args.prompt_chars}-character prompts x {args.max_tokens} new tokens, greedy, `ignore_eos`; "
+             f"medians over the waves (TTFT: each wave's median, and its slowest). Against the proxy, in this run: "
+             + "; ".join(f"{m} tokens/s **{r['tokens_per_s']:.2f}x**, TTFT p50 **{r['ttft_p50_s']:.2f}x**"
+                         for m, r in ratios.items())
+             + f". Whole run {time.monotonic() - t_start:.0f} s; the machine's 2 cores are shared with other work, so "
+             "compare the front ends within the run, not absolute figures across runs.")
+    cmd = " ".join([".venv/bin/python benchmarks/bench_front_ends.py", *sys.argv[1:]])
+    paths = write_report("front_ends", rows, title="What answers on deltaserve up's ports: HAProxy, Serve's proxy, "
+                         "direct ingress", notes=notes, command=cmd)
     record = json.loads(paths["json"].read_text())
     record["waves"] = waves
-    record["ratios"] = {"tokens_per_s": ratio_tps, "ttft_p50_s": ratio_ttft}
+    record["ratios_vs_proxy"] = ratios
     paths["json"].write_text(json.dumps(record, indent=2, default=str) + "\n")
     print(json.dumps(rows, indent=1))
 

@@ -1,0 +1,214 @@
+"""What answers on `deltaserve up`'s ports (``PlatformConfig.front_end``, ``deployments.cli.up.front_end_env``).
+
+The default, HAProxy in front of the ingress replicas' own servers: every socket HAProxy listens on is on 127.0.0.1,
+and requests keep being answered while a killed ingress replica is replaced. ``--direct-ingress``: the ingress
+replica serves HTTP and gRPC itself on the configured ports, on 127.0.0.1 only, and one that dies is replaced on the
+same ports. Through both, streams, hang-ups, errors, gRPC health and reflection behave as through Serve's proxy (which
+the rest of the suite's platforms no longer use: tests/deployments/test_long_prompts.py runs `--front-end proxy`)."""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+
+from deployments.cli.up import PORT_QUARANTINE_S
+from deployments.proto.deltaserve.v1 import inference_pb2 as pb
+from deployments.proto.deltaserve.v1 import inference_pb2_grpc as pb_grpc
+from tests.deployments.test_security_defaults import _listeners
+from tests.deployments.up_process import check_up_serves, deltaserve_up, descendants
+
+KEY = "ds-front-end-key-0123456789abcdef"
+SERVICE = "deltaserve.v1.Inference"
+
+
+def _listening_pid(port: int, pids: list[int]) -> int | None:
+    """Which of ``pids`` holds the socket listening on ``port`` (its inode in /proc/net/tcp{,6}, then the
+    process whose file descriptors include that socket)."""
+    lines = [ln.split() for table in ("/proc/net/tcp", "/proc/net/tcp6") for ln in Path(table).read_text().splitlines()[1:]]
+    inode = next(f[9] for f in lines if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port)
+    for pid in pids:
+        fds = Path(f"/proc/{pid}/fd")
+        try:
+            if any(os.readlink(fd) == f"socket:[{inode}]" for fd in fds.iterdir()):
+                return pid
+        except OSError:
+            continue
+    return None
+
+
+def _listening_addresses(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket ``pid`` listens on (its socket inodes in /proc/net/tcp{,6})."""
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                link = os.readlink(fd)
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for ln in Path(table).read_text().splitlines()[1:]:
+            f = ln.split()
+            if f[3] == "0A" and f[9] in inodes:
+                hexaddr, hexport = f[1].rsplit(":", 1)
+                raw = bytes.fromhex(hexaddr)
+                # the kernel writes each 32-bit word in host (little-endian) order
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                found.append((str(ipaddress.ip_address(raw)), int(hexport, 16)))
+    return found
+
+
+def check_serves(http_port: int, grpc_port: int) -> None:
+    """Through the front end on ``http_port`` / ``grpc_port``: concurrent streams through the official client, a
+    client that hangs up, errors in OpenAI's shape, gRPC generation, health, reflection and authentication."""
+    base = f"http://127.0.0.1:{http_port}/v1"
+
+    # concurrent streams through the official client, each to its max_tokens
+    client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0, timeout=120)
+    results: dict[int, tuple[str | None, int]] = {}
+
+    def stream(i: int) -> None:
+        reason, tokens = None, 0
+        for chunk in client.completions.create(model="k3-tiny", prompt=f"# stream {i}\n" + "x = 1\n" * 40,
+                                               max_tokens=24, temperature=0, stream=True,
+                                               stream_options={"include_usage": True},
+                                               extra_body={"ignore_eos": True}):
+            if chunk.choices:
+                reason = chunk.choices[0].finish_reason or reason
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+        results[i] = (reason, tokens)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    assert results == {i: ("length", 24) for i in range(6)}, results
+
+    # a client that hangs up mid-stream; the next request is served
+    with httpx.stream("POST", f"{base}/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                      json={"model": "k3-tiny", "prompt": "hang up", "max_tokens": 400, "stream": True,
+                            "ignore_eos": True}) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())
+    done = client.completions.create(model="k3-tiny", prompt="after", max_tokens=4, temperature=0)
+    assert done.usage.completion_tokens == 4
+
+    # errors keep OpenAI's shape and name the bad value; the request id comes back
+    r = httpx.post(f"{base}/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
+                   json={"model": "no-such-model", "prompt": "x"})
+    assert r.status_code == 404 and "no-such-model" in r.json()["error"]["message"]
+    assert r.headers["x-deltaserve-request-id"]
+    r = httpx.post(f"{base}/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
+                   content=b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+    # gRPC: a real generation, health, reflection
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        resp = stub.Generate(pb.GenerateRequest(model="k3-tiny", prompt="def f(x):", max_tokens=3, temperature=0),
+                             metadata=(("authorization", f"Bearer {KEY}"),), timeout=60)
+        assert resp.usage.completion_tokens == 3 and resp.pool == "standard"
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+        listed = next(reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
+        assert SERVICE in {s.name for s in listed.list_services_response.service}
+        try:
+            stub.Generate(pb.GenerateRequest(model="k3-tiny", prompt="x"), metadata=(("authorization", "Bearer bad"),),
+                          timeout=30)
+            raise AssertionError("a bad key was served")
+        except grpc.RpcError as e:
+            assert e.code() is grpc.StatusCode.UNAUTHENTICATED, (e.code(), e.details())
+
+
+def test_direct_ingress_serves_http_and_grpc_on_the_configured_ports(tmp_path):
+    with deltaserve_up(["--tenants", str(tmp_path / "tenants.yaml"), "--no-cache", "--direct-ingress"],
+                       env={"DELTASERVE_API_KEY": KEY}) as up:
+        check_up_serves(up.output, up.proc.pid, up.http_port, up.grpc_port, KEY, actor_calls=False,
+                        front_end="direct")
+        assert _listeners(up.http_port) == ["127.0.0.1"] and _listeners(up.grpc_port) == ["127.0.0.1"]
+        # both ports are the ingress replica's own sockets (Serve's proxy actor still starts, idle on two other
+        # ports: deployments.cli.up.start)
+        ingress = [p for p in descendants(up.proc.pid)
+                   if b"ServeReplica:deltaserve:ingress" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(ingress) == 1
+        assert _listening_pid(up.http_port, descendants(up.proc.pid)) == ingress[0]
+        assert _listening_pid(up.grpc_port, descendants(up.proc.pid)) == ingress[0]
+        check_serves(up.http_port, up.grpc_port)
+        base = f"http://127.0.0.1:{up.http_port}/v1"
+        client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0, timeout=120)
+
+        # an ingress replica that dies (the client's keep-alive connections to it open) is replaced on the same
+        # ports once Serve's quarantine of them ends (deployments.cli.up.PORT_QUARANTINE_S)
+        os.kill(ingress[0], signal.SIGKILL)
+        t_kill = time.monotonic()
+        deadline = t_kill + PORT_QUARANTINE_S + 60
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base}/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=5).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, f"no answer on the HTTP port {deadline - t_kill:.0f} s after the ingress replica died"
+            time.sleep(0.2)
+        successor = [p for p in descendants(up.proc.pid)
+                     if b"ServeReplica:deltaserve:ingress" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert successor and successor != ingress
+        assert _listening_pid(up.http_port, descendants(up.proc.pid)) == successor[0]
+        assert client.completions.create(model="k3-tiny", prompt="again", max_tokens=3).usage.completion_tokens == 3
+
+
+def _answered_after_kill(pid: int, base: str) -> tuple[float, list]:
+    """Kill -9 ``pid`` (an ingress replica) and poll ``base``/models until it answers 200: the seconds that took, and
+    every answer that was not a 200 (status code or exception name) on the way."""
+    os.kill(pid, signal.SIGKILL)
+    t_kill, other = time.monotonic(), []
+    while time.monotonic() - t_kill < 120:
+        try:
+            code = httpx.get(f"{base}/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).status_code
+        except httpx.HTTPError as e:
+            code = type(e).__name__
+        if code == 200:
+            return time.monotonic() - t_kill, other
+        other.append(code)
+        time.sleep(0.2)
+    raise AssertionError(f"no 200 on the HTTP port 120 s after the ingress replica died: {other[-5:]}")
+
+
+def test_haproxy_front_end_listens_on_loopback_only_and_answers_across_an_ingress_restart(tmp_path):
+    """The default front end: HAProxy holds both configured ports, forwards to the ingress replica's own servers,
+    and listens on 127.0.0.1 only (its stats page and Prometheus exporter too, which Serve binds on every interface:
+    deployments/cli/haproxy_loopback.sh). A kill -9 of the ingress replica leaves no request unanswered: HAProxy
+    routes to Serve's proxy actor while no ingress replica is up, and it holds them until the replacement is."""
+    with deltaserve_up(["--tenants", str(tmp_path / "tenants.yaml"), "--no-cache"], env={"DELTASERVE_API_KEY": KEY}) as up:
+        check_up_serves(up.output, up.proc.pid, up.http_port, up.grpc_port, KEY, actor_calls=False)
+        pids = descendants(up.proc.pid)
+        haproxy = [p for p in pids if Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].endswith(b"/haproxy")]
+        assert haproxy, "no HAProxy process under deltaserve up"
+        assert _listening_pid(up.http_port, pids) in haproxy and _listening_pid(up.grpc_port, pids) in haproxy
+        listening = [a for p in haproxy for a in _listening_addresses(p)]
+        assert {port for _, port in listening} >= {up.http_port, up.grpc_port} and len(set(listening)) >= 4, listening
+        assert {address for address, _ in listening} == {"127.0.0.1"}, listening
+
+        check_serves(up.http_port, up.grpc_port)
+        base = f"http://127.0.0.1:{up.http_port}/v1"
+        client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0, timeout=120)
+        for _ in range(2):
+            ingress = [p for p in descendants(up.proc.pid)
+                       if b"ServeReplica:deltaserve:ingress" in Path(f"/proc/{p}/cmdline").read_bytes()]
+            seconds, other = _answered_after_kill(ingress[0], base)
+            assert other == [] and seconds < 30, (seconds, other)
+            assert client.completions.create(model="k3-tiny", prompt="again", max_tokens=3).usage.completion_tokens == 3

@@ -1,5 +1,7 @@
 from pathlib import Path
 
+import re
+
 import pytest
 from pydantic import ValidationError
 
@@ -96,9 +98,17 @@ def test_serve_config_yaml_is_the_embedded_defaults():
 
     import yaml
 
-    doc = yaml.safe_load((Path(__file__).parents[2] / "deployments" / "serve_config.yaml").read_text())
+    text = (Path(__file__).parents[2] / "deployments" / "serve_config.yaml").read_text()
+    doc = yaml.safe_load(text)
     args = PlatformConfig.load(doc["applications"][0]["args"])
     assert args.pools == PlatformConfig().pools
+    # the environment its comment gives a cluster started by hand is deltaserve up's for the proxy front end
+    from deployments.cli.up import serve_env
+
+    shown = dict(m.groups() for m in re.finditer(r"\b([A-Z_]+_?)=(\S+)", "".join(
+        ln for ln in text.splitlines() if ln.startswith("#   "))))
+    wanted = serve_env(PlatformConfig(front_end="proxy"))
+    assert shown == {k: v for k, v in wanted.items() if k != "RAY_SERVE_ENABLE_HA_PROXY"}, shown
 
 
 def test_deployment_options_cap_each_replica_at_what_its_engine_holds_and_bound_the_queue():

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_vs_vllm import corpus, http_wave  # noqa: E402
+from benchmarks.bench_vs_vllm import corpus, git_commit, http_wave  # noqa: E402
 from benchmarks.report import write_report  # noqa: E402
 from deployments.tenancy import TenantRegistry  # noqa: E402
 from tests.deployments.up_process import deltaserve_up  # noqa: E402
@@ -92,7 +92,8 @@ def main() -> None:
     by = {r["front_end"]: r for r in rows}
     ratios = {m: {"tokens_per_s": round(by[m]["tokens_per_s"] / by["proxy"]["tokens_per_s"], 3),
                   "ttft_p50_s": round(by[m]["ttft_p50_s"] / by["proxy"]["ttft_p50_s"], 3)} for m in ("haproxy", "direct")}
-    notes = (f"`deltaserve up --front-end F`, its defaults otherwise, {args.reps} starts of each front end (the order "
+    notes = (f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} at commit `{git_commit()}`. "
+             f"`deltaserve up --front-end F`, its defaults otherwise, {args.reps} starts of each front end (the order "
              f"rotating), {args.waves} timed waves per start after a warm-up wave; each wave {args.streams} concurrent "
              f"streams of {args.prompt_chars}-character prompts x {args.max_tokens} new tokens, greedy, `ignore_eos`; "
              f"medians over the waves (TTFT: each wave's median, and its slowest). Against the proxy, in this run: "

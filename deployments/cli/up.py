@@ -160,10 +160,10 @@ def front_end_env(config: PlatformConfig) -> dict[str, str]:
 
     ``haproxy`` (:func:`haproxy_env`): an HAProxy process on the ports, forwarding to the ingress replicas'
     own HTTP and gRPC servers (Serve's direct ingress; ports from Serve's ranges, on ``host``). The front
-    end's CPU per request is the direct path's, a third to a half of the proxy's
-    (benchmarks/results/request_cost.md), and while no ingress replica is up HAProxy routes to Serve's
+    end's CPU per request is about the direct path's, a third of the proxy's (benchmarks/results/
+    request_cost.md, request_cost_proxy.md), and while no ingress replica is up HAProxy routes to Serve's
     proxy actor, which holds requests until one is (answers again 3-4 s after a kill -9 of the ingress,
-    tests/deployments/test_haproxy_front_end.py). ``proxy``: Serve's proxy actor on the ports. ``direct``
+    tests/deployments/test_front_ends.py). ``proxy``: Serve's proxy actor on the ports. ``direct``
     (:func:`direct_ingress_env`): the one ingress replica on the ports itself."""
     if config.front_end == "direct":
         return direct_ingress_env(config.http_port, config.grpc_port)
@@ -225,7 +225,7 @@ def direct_ingress_env(http_port: int, grpc_port: int) -> dict[str, str]:
     configured one. The replica's servers bind ``host`` (``HTTPOptions``; gRPC through the proxy callback,
     which the replica runs as a proxy would, with its middleware). A replica that died leaves its ports in
     Serve's quarantine for ``RAY_SERVE_PORT_QUARANTINE_S`` (150 s by default, for HAProxy's connections to
-    drain; none runs here): :data:`PORT_QUARANTINE_S` instead. Not 0: Serve binds the replacement's socket
+    drain; none runs with this front end): :data:`PORT_QUARANTINE_S` instead. Not 0: Serve binds the replacement's socket
     without ``SO_REUSEADDR``, so while the dead replica's connections linger in TIME_WAIT (60 s on Linux)
     the bind fails, and Serve then blocks the port for good."""
     return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_ENABLE_HA_PROXY": "0",
@@ -299,6 +299,8 @@ def _load_config(args: argparse.Namespace) -> tuple[PlatformConfig, str | None]:
     from deployments.tenancy import default_dev_tenants
 
     config = PlatformConfig.load(args.config)
+    if args.direct_ingress and args.front_end not in (None, "direct"):
+        raise ValueError(f"--direct-ingress is --front-end direct; it contradicts --front-end {args.front_end}")
     updates = {k: v for k, v in {"model": args.model, "http_port": args.http_port, "grpc_port": args.grpc_port,
                                  "host": args.host, "tenants_file": args.tenants, "expert_mode": args.expert_mode,
                                  "expert_transport": args.expert_transport,

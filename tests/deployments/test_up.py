@@ -80,6 +80,8 @@ def test_front_end_flags_reach_the_config_and_refuse_a_conflicting_environment(t
     assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "0"
     assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]) == ("18123", "18124")
     assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT"]) == ("19123", "19124")
+    with pytest.raises(ValueError, match="--direct-ingress is --front-end direct; it contradicts --front-end proxy"):
+        up._load_config(parser.parse_args(common + ["--direct-ingress", "--front-end", "proxy"]))
     monkeypatch.setenv("RAY_SERVE_ENABLE_DIRECT_INGRESS", "0")
     with pytest.raises(ValueError, match="front end 'direct' needs RAY_SERVE_ENABLE_DIRECT_INGRESS=1; the environment "
                                          "sets '0'"):

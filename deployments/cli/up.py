@@ -186,6 +186,11 @@ def haproxy_binary() -> str:
                      "ray[serve] on Linux) or haproxy on PATH; or use --front-end proxy")
 
 
+# An ingress replica being removed stays reachable this long before it stops taking connections and waits for its
+# requests; Serve's default, 30 s, is for load balancers in front of it to deregister it, and none runs here.
+INGRESS_DRAIN_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
+
+
 def _is_loopback(host: str) -> bool:
     try:
         return host == "localhost" or ipaddress.ip_address(host).is_loopback
@@ -198,7 +203,7 @@ def haproxy_env(host: str) -> dict[str, str]:
     and the fallback proxy actor, get free ports (Serve's fixed defaults would collide between two platforms
     on one machine). On a loopback ``host`` Serve runs HAProxy through :data:`HAPROXY_LOOPBACK`, which moves
     the stats page and the exporter, which Serve binds on every interface, to 127.0.0.1. An ingress replica
-    being removed stays reachable for 2 s (Serve's default is 30 s, for load balancers in front of HAProxy;
+    being removed stays reachable for 2 s (:data:`INGRESS_DRAIN_ENV`; Serve's 30 s is for load balancers in front;
     HAProxy here reloads without it within a second and retries a refused connection on another replica).
     HAProxy runs one thread (Serve's default is 4; one forwards this machine's load with 0.6 ms of CPU per
     64-token stream), and without Serve's per-request HTTP metrics, which its manager actor parses from a log
@@ -206,7 +211,7 @@ def haproxy_env(host: str) -> dict[str, str]:
     from cache_service.redis_server import find_free_port
 
     env = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
-           "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2", "RAY_SERVE_HAPROXY_NBTHREAD": "1",
+           **INGRESS_DRAIN_ENV, "RAY_SERVE_HAPROXY_NBTHREAD": "1",
            "RAY_SERVE_HAPROXY_METRICS_ENABLED": "0",
            **{name: str(find_free_port()) for name in (
                "RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
@@ -227,9 +232,10 @@ def direct_ingress_env(http_port: int, grpc_port: int) -> dict[str, str]:
     Serve's quarantine for ``RAY_SERVE_PORT_QUARANTINE_S`` (150 s by default, for HAProxy's connections to
     drain; none runs with this front end): :data:`PORT_QUARANTINE_S` instead. Not 0: Serve binds the replacement's socket
     without ``SO_REUSEADDR``, so while the dead replica's connections linger in TIME_WAIT (60 s on Linux)
-    the bind fails, and Serve then blocks the port for good."""
+    the bind fails, and Serve then blocks the port for good. A replica being removed holds the ports for
+    its drain, :data:`INGRESS_DRAIN_ENV` and then until its requests are done."""
     return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_ENABLE_HA_PROXY": "0",
-            "RAY_SERVE_PORT_QUARANTINE_S": str(PORT_QUARANTINE_S),
+            "RAY_SERVE_PORT_QUARANTINE_S": str(PORT_QUARANTINE_S), **INGRESS_DRAIN_ENV,
             "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(http_port),
             "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http_port + 1),
             "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(grpc_port),

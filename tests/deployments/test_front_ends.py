@@ -3,8 +3,9 @@
 The default, HAProxy in front of the ingress replicas' own servers: every socket HAProxy listens on is on 127.0.0.1,
 and requests keep being answered while a killed ingress replica is replaced. ``--direct-ingress``: the ingress
 replica serves HTTP and gRPC itself on the configured ports, on 127.0.0.1 only, and one that dies is replaced on the
-same ports. Through both, streams, hang-ups, errors, gRPC health and reflection behave as through Serve's proxy (which
-the rest of the suite's platforms no longer use: tests/deployments/test_long_prompts.py runs `--front-end proxy`)."""
+same ports. Through HAProxy to the ingress replica's own servers (the ones `--direct-ingress` puts on the ports),
+streams, hang-ups, errors, gRPC health and reflection behave as through Serve's proxy (which the rest of the suite's
+platforms no longer use: tests/deployments/test_long_prompts.py runs `--front-end proxy`)."""
 
 from __future__ import annotations
 
@@ -149,7 +150,12 @@ def test_direct_ingress_serves_http_and_grpc_on_the_configured_ports(tmp_path):
         assert len(ingress) == 1
         assert _listening_pid(up.http_port, descendants(up.proc.pid)) == ingress[0]
         assert _listening_pid(up.grpc_port, descendants(up.proc.pid)) == ingress[0]
-        check_serves(up.http_port, up.grpc_port)
+        # (streams, hang-ups, errors and gRPC on these servers: check_serves through HAProxy, which forwards to them)
+        with grpc.insecure_channel(f"127.0.0.1:{up.grpc_port}") as channel:
+            resp = pb_grpc.InferenceStub(channel).Generate(
+                pb.GenerateRequest(model="k3-tiny", prompt="def f(x):", max_tokens=3, temperature=0),
+                metadata=(("authorization", f"Bearer {KEY}"),), timeout=60)
+            assert resp.usage.completion_tokens == 3
         base = f"http://127.0.0.1:{up.http_port}/v1"
         client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0, timeout=120)
 

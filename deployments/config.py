@@ -255,7 +255,7 @@ class PlatformConfig(_Strict):
         "haproxy", description="when `deltaserve up` starts the local Ray cluster, what answers on http_port and "
         "grpc_port (deployments.cli.up.front_end_env). `haproxy`: Serve's HAProxy mode, an HAProxy process in front of "
         "ingress replicas that serve HTTP and gRPC themselves (Serve's direct ingress, ports of their own), with "
-        "Serve's proxy actor as the fallback it routes to while no ingress replica is up: the direct path's CPU per "
+        "Serve's proxy actor as the fallback it routes to while no ingress replica is up: about the direct path's CPU per "
         "request (benchmarks/results/request_cost.md) and the proxy's answers across an ingress restart. `proxy`: "
         "Serve's proxy actor on both ports, every request through it. `direct`: the one ingress replica binds both "
         "ports itself (no proxy, no HAProxy): after it dies nothing answers on them until Serve gives them to its "

@@ -11,12 +11,14 @@ shuts Serve and Ray down cleanly.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import ipaddress
 import os
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -191,6 +193,17 @@ def haproxy_binary() -> str:
 INGRESS_DRAIN_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 
 
+def haproxy_files_env(directory: str) -> dict[str, str]:
+    """Serve's HAProxy files (config, server state, logs, and the admin socket, which Serve creates with mode
+    666 and admin level) under ``directory`` instead of the shared /tmp/haproxy-serve: :func:`start` gives each
+    platform a private one (mode 700), so no other user of the machine reaches the socket."""
+    return {"RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(directory, "haproxy.cfg"),
+            "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(directory, "admin.sock"),
+            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": directory,
+            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(directory, "server-state"),
+            "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(directory, "metrics.sock")}
+
+
 def _is_loopback(host: str) -> bool:
     try:
         return host == "localhost" or ipaddress.ip_address(host).is_loopback
@@ -266,7 +279,14 @@ def start(config: PlatformConfig, *, app_name: str = "deltaserve", extra_apps: l
     from cache_service.redis_server import find_free_port
 
     if not ray.is_initialized():
-        with _environ(serve_env(config)):
+        env = serve_env(config)
+        if config.front_end == "haproxy":
+            # mode 700; a short path: HAProxy's socket path, which Serve extends by the 56-character node id, must fit
+            # in 97 characters
+            files = tempfile.mkdtemp(prefix="dsh-", dir="/tmp" if os.path.isdir("/tmp") else None)
+            atexit.register(shutil.rmtree, files, True)
+            env.update(haproxy_files_env(files))
+        with _environ(env):
             ray.init(include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_export_port)
     # With direct ingress Serve still starts its proxy actor on the options' ports, and the ingress replica takes
     # the configured ones (direct_ingress_env): the proxy gets two other free loopback ports.

@@ -197,7 +197,8 @@ def _answered_after_kill(pid: int, base: str) -> tuple[float, list]:
 def test_haproxy_front_end_listens_on_loopback_only_and_answers_across_an_ingress_restart(tmp_path):
     """The default front end: HAProxy holds both configured ports, forwards to the ingress replica's own servers,
     and listens on 127.0.0.1 only (its stats page and Prometheus exporter too, which Serve binds on every interface:
-    deployments/cli/haproxy_loopback.sh). A kill -9 of the ingress replica leaves no request unanswered: HAProxy
+    deployments/cli/haproxy_loopback.sh); its files and admin socket are in a directory of mode 700, removed when
+    the platform stops. A kill -9 of the ingress replica leaves no request unanswered: HAProxy
     routes to Serve's proxy actor while no ingress replica is up, and it holds them until the replacement is."""
     with deltaserve_up(["--tenants", str(tmp_path / "tenants.yaml"), "--no-cache"], env={"DELTASERVE_API_KEY": KEY}) as up:
         check_up_serves(up.output, up.proc.pid, up.http_port, up.grpc_port, KEY, actor_calls=False)
@@ -205,6 +206,11 @@ def test_haproxy_front_end_listens_on_loopback_only_and_answers_across_an_ingres
         haproxy = [p for p in pids if Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].endswith(b"/haproxy")]
         assert haproxy, "no HAProxy process under deltaserve up"
         assert _listening_pid(up.http_port, pids) in haproxy and _listening_pid(up.grpc_port, pids) in haproxy
+        # its files, the admin socket among them (Serve makes it mode 666, admin level), in a directory only we reach
+        argv = Path(f"/proc/{haproxy[0]}/cmdline").read_bytes().decode().split("\0")
+        files = Path(argv[argv.index("-f") + 1]).parents[1]
+        assert files.name.startswith("dsh-") and files.stat().st_mode & 0o777 == 0o700, files
+        assert files.stat().st_uid == os.getuid() and list(files.rglob("admin.sock")), list(files.rglob("*"))
         listening = [a for p in haproxy for a in _listening_addresses(p)]
         assert {port for _, port in listening} >= {up.http_port, up.grpc_port} and len(set(listening)) >= 4, listening
         assert {address for address, _ in listening} == {"127.0.0.1"}, listening
@@ -218,3 +224,4 @@ def test_haproxy_front_end_listens_on_loopback_only_and_answers_across_an_ingres
             seconds, other = _answered_after_kill(ingress[0], base)
             assert other == [] and seconds < 30, (seconds, other)
             assert client.completions.create(model="k3-tiny", prompt="again", max_tokens=3).usage.completion_tokens == 3
+    assert not files.exists(), "deltaserve up left HAProxy's files behind"

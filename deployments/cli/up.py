@@ -15,8 +15,10 @@ import atexit
 import contextlib
 import ipaddress
 import os
+import random
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -204,6 +206,26 @@ def haproxy_files_env(directory: str) -> dict[str, str]:
             "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(directory, "metrics.sock")}
 
 
+SIDE_PORTS = range(20000, 30000)  # above Ray's worker ports (10002-19999), below Serve's direct-ingress ranges
+
+
+def side_ports(n: int) -> list[int]:
+    """``n`` distinct ports of :data:`SIDE_PORTS` free on 127.0.0.1 now. They are bound seconds later, after Ray
+    has started its processes, which bind ports the kernel picks from its ephemeral range (32768-60999 here):
+    a port from that range, free now, may be theirs by then; one below it is not."""
+    ports: list[int] = []
+    for port in random.sample(SIDE_PORTS, len(SIDE_PORTS)):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    raise RuntimeError(f"fewer than {n} free ports in {SIDE_PORTS}")
+
+
 def _is_loopback(host: str) -> bool:
     try:
         return host == "localhost" or ipaddress.ip_address(host).is_loopback
@@ -221,14 +243,12 @@ def haproxy_env(host: str) -> dict[str, str]:
     HAProxy runs one thread (Serve's default is 4; one forwards this machine's load with 0.6 ms of CPU per
     64-token stream), and without Serve's per-request HTTP metrics, which its manager actor parses from a log
     datagram per request in Python: the platform's own metrics count requests (docs/observability.md)."""
-    from cache_service.redis_server import find_free_port
-
+    names = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT",
+             "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")
     env = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
            **INGRESS_DRAIN_ENV, "RAY_SERVE_HAPROXY_NBTHREAD": "1",
            "RAY_SERVE_HAPROXY_METRICS_ENABLED": "0",
-           **{name: str(find_free_port()) for name in (
-               "RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
-               "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")}}
+           **{name: str(port) for name, port in zip(names, side_ports(len(names)))}}
     if _is_loopback(host):
         env.update({"RAY_SERVE_HAPROXY_BINARY_PATH": str(HAPROXY_LOOPBACK), "DELTASERVE_HAPROXY_BINARY": haproxy_binary()})
     return env

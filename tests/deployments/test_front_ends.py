@@ -10,7 +10,6 @@ platforms no longer use: tests/deployments/test_long_prompts.py runs `--front-en
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import os
 import signal
 import threading
@@ -24,30 +23,14 @@ import openai
 from deployments.cli.up import PORT_QUARANTINE_S
 from deployments.proto.deltaserve.v1 import inference_pb2 as pb
 from deployments.proto.deltaserve.v1 import inference_pb2_grpc as pb_grpc
-from tests.deployments.test_security_defaults import _listeners
+from tests.deployments.test_security_defaults import _listeners, listening_sockets
 from tests.deployments.up_process import check_up_serves, deltaserve_up, descendants
 
 KEY = "ds-front-end-key-0123456789abcdef"
 SERVICE = "deltaserve.v1.Inference"
 
 
-def _listening_pid(port: int, pids: list[int]) -> int | None:
-    """Which of ``pids`` holds the socket listening on ``port`` (its inode in /proc/net/tcp{,6}, then the
-    process whose file descriptors include that socket)."""
-    lines = [ln.split() for table in ("/proc/net/tcp", "/proc/net/tcp6") for ln in Path(table).read_text().splitlines()[1:]]
-    inode = next(f[9] for f in lines if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port)
-    for pid in pids:
-        fds = Path(f"/proc/{pid}/fd")
-        try:
-            if any(os.readlink(fd) == f"socket:[{inode}]" for fd in fds.iterdir()):
-                return pid
-        except OSError:
-            continue
-    return None
-
-
-def _listening_addresses(pid: int) -> list[tuple[str, int]]:
-    """(address, port) of every TCP socket ``pid`` listens on (its socket inodes in /proc/net/tcp{,6})."""
+def _socket_inodes(pid: int) -> set[str]:
     inodes = set()
     with contextlib.suppress(OSError):
         for fd in Path(f"/proc/{pid}/fd").iterdir():
@@ -55,17 +38,18 @@ def _listening_addresses(pid: int) -> list[tuple[str, int]]:
                 link = os.readlink(fd)
                 if link.startswith("socket:["):
                     inodes.add(link[8:-1])
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for ln in Path(table).read_text().splitlines()[1:]:
-            f = ln.split()
-            if f[3] == "0A" and f[9] in inodes:
-                hexaddr, hexport = f[1].rsplit(":", 1)
-                raw = bytes.fromhex(hexaddr)
-                # the kernel writes each 32-bit word in host (little-endian) order
-                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-                found.append((str(ipaddress.ip_address(raw)), int(hexport, 16)))
-    return found
+    return inodes
+
+
+def _listening_addresses(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket ``pid`` listens on."""
+    inodes = _socket_inodes(pid)
+    return [(address, port) for address, port, inode in listening_sockets() if inode in inodes]
+
+
+def _listening_pid(port: int, pids: list[int]) -> int | None:
+    """Which of ``pids`` holds the socket listening on ``port``."""
+    return next((pid for pid in pids if any(p == port for _, p in _listening_addresses(pid))), None)
 
 
 def check_serves(http_port: int, grpc_port: int) -> None:

@@ -13,21 +13,26 @@ from deployments.tenancy import TenantRegistry
 from tests.deployments.up_process import run_up
 
 
-def _listeners(port: int) -> list[str]:
-    """Local addresses of every listening TCP socket on ``port``, IPv4 and IPv6 (an IPv4-mapped IPv6
+def listening_sockets() -> list[tuple[str, int, str]]:
+    """(local address, port, socket inode) of every listening TCP socket, IPv4 and IPv6 (an IPv4-mapped IPv6
     address as its IPv4 address), from /proc/net/tcp{,6}: hex, 32-bit words in host (little-endian) order."""
     out = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
-            local, state = line.split()[1], line.split()[3]
-            hex_address, hex_port = local.split(":")
-            if state != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
+            fields = line.split()
+            hex_address, hex_port = fields[1].split(":")
+            if fields[3] != "0A":  # 0A: LISTEN
                 continue
             raw = b"".join(bytes.fromhex(hex_address[i:i + 8])[::-1] for i in range(0, len(hex_address), 8))
             address = ipaddress.ip_address(raw)
             mapped = getattr(address, "ipv4_mapped", None)
-            out.append(str(mapped or address))
+            out.append((str(mapped or address), int(hex_port, 16), fields[9]))
     return out
+
+
+def _listeners(port: int) -> list[str]:
+    """Local addresses of every listening TCP socket on ``port`` (:func:`listening_sockets`)."""
+    return [address for address, p, _ in listening_sockets() if p == port]
 
 
 def test_build_app_never_prints_a_key_and_refuses_without_one(tmp_path, monkeypatch, capsys):

@@ -296,8 +296,6 @@ def start(config: PlatformConfig, *, app_name: str = "deltaserve", extra_apps: l
     from ray import serve
     from ray.serve.config import gRPCOptions, HTTPOptions
 
-    from cache_service.redis_server import find_free_port
-
     if not ray.is_initialized():
         env = serve_env(config)
         if config.front_end == "haproxy":
@@ -309,9 +307,8 @@ def start(config: PlatformConfig, *, app_name: str = "deltaserve", extra_apps: l
         with _environ(env):
             ray.init(include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_export_port)
     # With direct ingress Serve still starts its proxy actor on the options' ports, and the ingress replica takes
-    # the configured ones (direct_ingress_env): the proxy gets two other free loopback ports.
-    http_port, grpc_port = ((find_free_port(), find_free_port()) if config.front_end == "direct"
-                            else (config.http_port, config.grpc_port))
+    # the configured ones (direct_ingress_env): the proxy gets two other free loopback ports (side_ports).
+    http_port, grpc_port = side_ports(2) if config.front_end == "direct" else (config.http_port, config.grpc_port)
     serve.start(
         http_options=HTTPOptions(host=config.host, port=http_port),
         grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER], enable_reflection=True),

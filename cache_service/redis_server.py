@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -20,11 +21,35 @@ from .store import EVICTION_POLICIES
 _INSTALL_HINT = "install it with `apt-get install -y redis-server`"
 
 
+# Ports handed out to be bound later by another process (a redis-server, Ray Serve's proxy, HAProxy, a test's
+# platform). Above Ray's worker ports (10002-19999) and below the kernel's ephemeral range (32768-60999 by
+# default), from which Ray's processes and every outgoing connection take ports: a port from that range, free
+# when picked, may be someone's by the time it is bound; one from this range is not.
+PICK_PORTS = range(20000, 30000)
+_handed_out: set[int] = set()  # never hand the same port out twice in one process
+
+
+def find_free_ports(n: int) -> list[int]:
+    """``n`` distinct ports of :data:`PICK_PORTS`, free on 127.0.0.1 now and not handed out before by this process."""
+    ports: list[int] = []
+    for port in random.sample(PICK_PORTS, len(PICK_PORTS)):
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            _handed_out.update(ports)
+            return ports
+    raise RuntimeError(f"fewer than {n} free ports in {PICK_PORTS.start}-{PICK_PORTS.stop - 1} on 127.0.0.1")
+
+
 def find_free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (another process may still take it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago (see :func:`find_free_ports`)."""
+    return find_free_ports(1)[0]
 
 
 def _server_pid(port: int, timeout_s: float = 0.2) -> int | None:

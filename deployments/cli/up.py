@@ -15,7 +15,6 @@ import atexit
 import contextlib
 import ipaddress
 import os
-import random
 import shutil
 import signal
 import socket
@@ -26,6 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from cache_service.redis_server import find_free_ports
 from deployments.autoscaling.settings import OpsSettings
 from deployments.config import MetricsConfig, PlatformConfig, redis_url
 from deployments.gateway.grpc_proxy import GRPC_HOST_ENV, PROXY_CALLBACK
@@ -206,26 +206,6 @@ def haproxy_files_env(directory: str) -> dict[str, str]:
             "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(directory, "metrics.sock")}
 
 
-SIDE_PORTS = range(20000, 30000)  # above Ray's worker ports (10002-19999), below Serve's direct-ingress ranges
-
-
-def side_ports(n: int) -> list[int]:
-    """``n`` distinct ports of :data:`SIDE_PORTS` free on 127.0.0.1 now. They are bound seconds later, after Ray
-    has started its processes, which bind ports the kernel picks from its ephemeral range (32768-60999 here):
-    a port from that range, free now, may be theirs by then; one below it is not."""
-    ports: list[int] = []
-    for port in random.sample(SIDE_PORTS, len(SIDE_PORTS)):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        ports.append(port)
-        if len(ports) == n:
-            return ports
-    raise RuntimeError(f"fewer than {n} free ports in {SIDE_PORTS}")
-
-
 def _is_loopback(host: str) -> bool:
     try:
         return host == "localhost" or ipaddress.ip_address(host).is_loopback
@@ -248,7 +228,7 @@ def haproxy_env(host: str) -> dict[str, str]:
     env = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
            **INGRESS_DRAIN_ENV, "RAY_SERVE_HAPROXY_NBTHREAD": "1",
            "RAY_SERVE_HAPROXY_METRICS_ENABLED": "0",
-           **{name: str(port) for name, port in zip(names, side_ports(len(names)))}}
+           **{name: str(port) for name, port in zip(names, find_free_ports(len(names)))}}
     if _is_loopback(host):
         env.update({"RAY_SERVE_HAPROXY_BINARY_PATH": str(HAPROXY_LOOPBACK), "DELTASERVE_HAPROXY_BINARY": haproxy_binary()})
     return env
@@ -307,8 +287,8 @@ def start(config: PlatformConfig, *, app_name: str = "deltaserve", extra_apps: l
         with _environ(env):
             ray.init(include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_export_port)
     # With direct ingress Serve still starts its proxy actor on the options' ports, and the ingress replica takes
-    # the configured ones (direct_ingress_env): the proxy gets two other free loopback ports (side_ports).
-    http_port, grpc_port = side_ports(2) if config.front_end == "direct" else (config.http_port, config.grpc_port)
+    # the configured ones (direct_ingress_env): the proxy gets two other free loopback ports (find_free_ports).
+    http_port, grpc_port = find_free_ports(2) if config.front_end == "direct" else (config.http_port, config.grpc_port)
     serve.start(
         http_options=HTTPOptions(host=config.host, port=http_port),
         grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER], enable_reflection=True),

@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from cache_service import CircuitBreaker, LocalRedisServer, RedisStore, find_free_port
+from cache_service import CircuitBreaker, LocalRedisServer, RedisStore, find_free_port, find_free_ports
+from cache_service.redis_server import PICK_PORTS
 
 
 def test_set_many_get_many_with_ttl(store, raw_redis):
@@ -154,3 +155,14 @@ def test_local_server_reports_missing_binary_and_bad_start():
     with LocalRedisServer() as first:
         with pytest.raises(RuntimeError, match="Address already in use"):
             LocalRedisServer(first.port).start(timeout_s=5)
+
+
+def test_picked_ports_are_outside_the_ephemeral_range_and_never_repeat():
+    """Ports picked for another process to bind later come from below the kernel's ephemeral range (where Ray's
+    processes take ports meanwhile), distinct within one process."""
+    low, _high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    assert PICK_PORTS.stop <= low
+    picked = find_free_ports(20) + [find_free_port() for _ in range(20)]
+    assert len(set(picked)) == 40 and all(p in PICK_PORTS for p in picked)
+    with pytest.raises(RuntimeError, match=f"fewer than {len(PICK_PORTS) + 1} free ports in 20000-29999"):
+        find_free_ports(len(PICK_PORTS) + 1)

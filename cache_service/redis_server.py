@@ -24,13 +24,15 @@ _INSTALL_HINT = "install it with `apt-get install -y redis-server`"
 # Ports handed out to be bound later by another process (a redis-server, Ray Serve's proxy, HAProxy, a test's
 # platform). Above Ray's worker ports (10002-19999) and below the kernel's ephemeral range (32768-60999 by
 # default), from which Ray's processes and every outgoing connection take ports: a port from that range, free
-# when picked, may be someone's by the time it is bound; one from this range is not.
+# when picked, may be someone's by the time it is bound (Ray's monitor binds 44217, its autoscaler-metrics port,
+# on every start); one from this range is not.
 PICK_PORTS = range(20000, 30000)
 _handed_out: set[int] = set()  # never hand the same port out twice in one process
 
 
 def find_free_ports(n: int) -> list[int]:
-    """``n`` distinct ports of :data:`PICK_PORTS`, free on 127.0.0.1 now and not handed out before by this process."""
+    """``n`` distinct ports of :data:`PICK_PORTS`, free on 127.0.0.1 now, neither handed out before by this process
+    nor reserved (:func:`reserve_ports`)."""
     ports: list[int] = []
     for port in random.sample(PICK_PORTS, len(PICK_PORTS)):
         if port in _handed_out:
@@ -45,6 +47,12 @@ def find_free_ports(n: int) -> list[int]:
             _handed_out.update(ports)
             return ports
     raise RuntimeError(f"fewer than {n} free ports in {PICK_PORTS.start}-{PICK_PORTS.stop - 1} on 127.0.0.1")
+
+
+def reserve_ports(ports) -> None:
+    """Never hand ``ports`` out in this process: ports this process was told to use (its configured ones, which
+    the process that chose them may not have bound yet)."""
+    _handed_out.update(p for p in ports if p)
 
 
 def find_free_port() -> int:

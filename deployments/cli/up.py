@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from cache_service.redis_server import find_free_ports
+from cache_service.redis_server import find_free_ports, reserve_ports
 from deployments.autoscaling.settings import OpsSettings
 from deployments.config import MetricsConfig, PlatformConfig, redis_url
 from deployments.gateway.grpc_proxy import GRPC_HOST_ENV, PROXY_CALLBACK
@@ -448,6 +448,8 @@ def up(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"deltaserve up: {e}", file=sys.stderr)
         return 2
+    # the ports given may be free still (a caller that picked them has not bound them): no side port is one of them
+    reserve_ports([config.http_port, config.grpc_port, config.metrics.export_port, config.metrics.prometheus_port])
     metrics = config.metrics.model_copy(update={"export_port": _free_port(config.metrics.export_port, "Ray metrics export")})
     if metrics.prometheus:
         metrics = metrics.model_copy(update={"prometheus_port": _free_port(metrics.prometheus_port, "Prometheus")})

@@ -157,7 +157,7 @@ def test_local_server_reports_missing_binary_and_bad_start():
             LocalRedisServer(first.port).start(timeout_s=5)
 
 
-def test_picked_ports_are_outside_the_ephemeral_range_and_never_repeat():
+def test_picked_ports_are_outside_the_ephemeral_range_and_never_repeat(monkeypatch):
     """Ports picked for another process to bind later come from below the kernel's ephemeral range (where Ray's
     processes take ports meanwhile), distinct within one process."""
     low, _high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
@@ -166,3 +166,13 @@ def test_picked_ports_are_outside_the_ephemeral_range_and_never_repeat():
     assert len(set(picked)) == 40 and all(p in PICK_PORTS for p in picked)
     with pytest.raises(RuntimeError, match=f"fewer than {len(PICK_PORTS) + 1} free ports in 20000-29999"):
         find_free_ports(len(PICK_PORTS) + 1)
+
+    # reserved ports (a process's configured ones) are never handed out: with all but three reserved, those three
+    from cache_service import redis_server
+    monkeypatch.setattr(redis_server, "_handed_out", set())
+    spare = sorted(find_free_ports(3))
+    redis_server._handed_out.clear()
+    redis_server.reserve_ports([p for p in PICK_PORTS if p not in spare] + [0])
+    assert sorted(find_free_ports(3)) == spare
+    with pytest.raises(RuntimeError):
+        find_free_port()

@@ -14,6 +14,7 @@ import argparse
 import atexit
 import contextlib
 import ipaddress
+import math
 import os
 import shutil
 import signal
@@ -153,7 +154,7 @@ def serve_env(config: PlatformConfig) -> dict[str, str]:
     return env
 
 
-HAPROXY_LOOPBACK = Path(__file__).with_name("haproxy_loopback.sh")
+HAPROXY_LAUNCH = Path(__file__).with_name("haproxy_launch.sh")
 # Variables front_end_env sets that must hold for the front end to be the configured one (_load_config refuses an
 # environment that sets them otherwise: serve_env lets the environment win).
 FRONT_END_FLAGS = ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_ENABLE_DIRECT_INGRESS")
@@ -216,22 +217,26 @@ def _is_loopback(host: str) -> bool:
 def haproxy_env(host: str) -> dict[str, str]:
     """Serve's HAProxy mode for one platform on this machine. HAProxy's stats page and Prometheus exporter,
     and the fallback proxy actor, get free ports (Serve's fixed defaults would collide between two platforms
-    on one machine). On a loopback ``host`` Serve runs HAProxy through :data:`HAPROXY_LOOPBACK`, which moves
-    the stats page and the exporter, which Serve binds on every interface, to 127.0.0.1. An ingress replica
+    on one machine). Serve runs HAProxy through :data:`HAPROXY_LAUNCH`, which ties HAProxy's life to its manager
+    actor's, gives a client :attr:`~deployments.gateway.protocol.RequestLimits.body_timeout_s` to send a request's
+    headers (and a short body; the ingress bounds a longer one), and on a loopback ``host`` moves the stats page
+    and the exporter, which Serve binds on every interface, to 127.0.0.1. An ingress replica
     being removed stays reachable for 2 s (:data:`INGRESS_DRAIN_ENV`; Serve's 30 s is for load balancers in front;
     HAProxy here reloads without it within a second and retries a refused connection on another replica).
     HAProxy runs one thread (Serve's default is 4; one forwards this machine's load with 0.6 ms of CPU per
     64-token stream), and without Serve's per-request HTTP metrics, which its manager actor parses from a log
     datagram per request in Python: the platform's own metrics count requests (docs/observability.md)."""
+    from deployments.gateway.protocol import RequestLimits
+
     names = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT",
              "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")
-    env = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
-           **INGRESS_DRAIN_ENV, "RAY_SERVE_HAPROXY_NBTHREAD": "1",
-           "RAY_SERVE_HAPROXY_METRICS_ENABLED": "0",
-           **{name: str(port) for name, port in zip(names, find_free_ports(len(names)))}}
-    if _is_loopback(host):
-        env.update({"RAY_SERVE_HAPROXY_BINARY_PATH": str(HAPROXY_LOOPBACK), "DELTASERVE_HAPROXY_BINARY": haproxy_binary()})
-    return env
+    return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+            **INGRESS_DRAIN_ENV, "RAY_SERVE_HAPROXY_NBTHREAD": "1",
+            "RAY_SERVE_HAPROXY_METRICS_ENABLED": "0",
+            **{name: str(port) for name, port in zip(names, find_free_ports(len(names)))},
+            "RAY_SERVE_HAPROXY_BINARY_PATH": str(HAPROXY_LAUNCH), "DELTASERVE_HAPROXY_BINARY": haproxy_binary(),
+            "DELTASERVE_HAPROXY_HTTP_REQUEST_TIMEOUT_S": f"{math.ceil(RequestLimits().body_timeout_s):d}",
+            "DELTASERVE_HAPROXY_LOOPBACK": "1" if _is_loopback(host) else "0"}
 
 
 PORT_QUARANTINE_S = 65  # a dead direct-ingress replica's ports return after TIME_WAIT (60 s) has passed

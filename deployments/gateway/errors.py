@@ -17,6 +17,7 @@ AuthError                  401     UNAUTHENTICATED      invalid_api_key
 PermissionDeniedError      403     PERMISSION_DENIED    model_not_allowed
 NotFound / ModelNotFound   404     NOT_FOUND            not_found / model_not_found
 MethodNotAllowed           405     UNIMPLEMENTED        method_not_allowed
+RequestTimeout             408     DEADLINE_EXCEEDED    request_timeout
 PayloadTooLarge            413     INVALID_ARGUMENT     request_too_large
 RateLimitedError           429     RESOURCE_EXHAUSTED   rate_limit_exceeded
 InternalError              500     INTERNAL             internal_error
@@ -115,6 +116,12 @@ class ModelNotFound(NotFound):
 
 class MethodNotAllowed(ApiError):
     status, grpc_code, code, type = 405, "UNIMPLEMENTED", "method_not_allowed", "invalid_request_error"
+
+
+class RequestTimeout(ApiError):
+    """408: the client did not send the whole request in time (a slow or stalled body)."""
+
+    status, grpc_code, code, type = 408, "DEADLINE_EXCEEDED", "request_timeout", "invalid_request_error"
 
 
 class PayloadTooLarge(ApiError):

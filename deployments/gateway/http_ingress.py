@@ -19,6 +19,7 @@ unsupported, :data:`UNSUPPORTED`); a value equal to the parameter's no-op (``ech
 
 from __future__ import annotations
 
+import asyncio
 import codecs
 import dataclasses
 import json
@@ -37,7 +38,7 @@ from deployments.gateway.protocol import (ChatMessage, CompletionInput, Finished
 from deployments.observability import tracing
 from deployments.gateway.affinity import AFFINITY_HEADER, parse_affinity_header
 from deployments.gateway.errors import (ApiError, BadRequest, MethodNotAllowed, NotFound, PayloadTooLarge,
-                                        UnsupportedParameter, http_error)
+                                        RequestTimeout, UnsupportedParameter, http_error)
 from deployments.tenancy.ledger import UsageLedger, report_task_outcome
 
 #: OpenAI parameters the platform does not implement → the values that mean "off" (accepted).
@@ -298,37 +299,47 @@ async def _chain(head: list, rest: AsyncIterator):
 
 class BodyLimit:
     """ASGI middleware: a request body over ``max_bytes`` is a 413 before anything parses it
-    (by ``Content-Length``, or by counting the bytes of a chunked body as they arrive)."""
+    (by ``Content-Length``, or by counting the bytes of a chunked body as they arrive), and a body that has not
+    arrived whole ``timeout_s`` after the request reached the ingress is a 408, so a client that trickles its body
+    or stops sending it holds an ingress slot no longer than that."""
 
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, timeout_s: float) -> None:
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
 
-    async def _reject(self, send, what: str) -> None:
-        err = PayloadTooLarge(f"the request body is {what}; the limit is {self.max_bytes} bytes")
+    @staticmethod
+    async def _reject(send, err: ApiError) -> None:
         rid = f"req-{uuid.uuid4().hex[:24]}"
         status, body, _ = http_error(err, rid)
         payload = json.dumps(body).encode()
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-                                (b"x-deltaserve-request-id", rid.encode())]})
+                                (b"x-deltaserve-request-id", rid.encode()), (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": payload})
+
+    def _too_large(self, what: str) -> PayloadTooLarge:
+        return PayloadTooLarge(f"the request body is {what}; the limit is {self.max_bytes} bytes")
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            return await self._reject(send, f"{length.decode('latin-1')[:20]} bytes (Content-Length)")
+            return await self._reject(send, self._too_large(f"{length.decode('latin-1')[:20]} bytes (Content-Length)"))
         body = bytearray()
-        while True:
-            msg = await receive()
-            if msg["type"] != "http.request":
-                return  # the client went away
-            body += msg.get("body", b"")
-            if len(body) > self.max_bytes:
-                return await self._reject(send, f"over {len(body)} bytes")
-            if not msg.get("more_body", False):
-                break
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                while True:
+                    msg = await receive()
+                    if msg["type"] != "http.request":
+                        return  # the client went away
+                    body += msg.get("body", b"")
+                    if len(body) > self.max_bytes:
+                        return await self._reject(send, self._too_large(f"over {len(body)} bytes"))
+                    if not msg.get("more_body", False):
+                        break
+        except TimeoutError:
+            return await self._reject(send, RequestTimeout(
+                f"the request body did not arrive within {self.timeout_s:g} s (got {len(body)} bytes)"))
         replayed = False
 
         async def replay():
@@ -345,7 +356,7 @@ def build_http_app(limits: RequestLimits = _LIMITS) -> FastAPI:
     """The FastAPI app without routes: error handlers and the body limit (routes: :class:`IngressRoutes`)."""
     app = FastAPI(title="deltaserve", version="0.1.0",
                   description="OpenAI-compatible API for Kimi-K3-family models; two pools: '<model>' and '<model>-highspeed'.")
-    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes, timeout_s=limits.body_timeout_s)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):

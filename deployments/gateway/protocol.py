@@ -25,6 +25,8 @@ class RequestLimits:
     admission, prefill). Each violation is a 400 (413 for the body) naming the field and the limit."""
 
     max_body_bytes: int = 4 * 2**20  # an HTTP request body; larger is 413 before any JSON is parsed
+    body_timeout_s: float = 10.0  # an HTTP request body arrives whole within this of its headers, else 408 (a slow
+    # client holds an ingress slot no longer; HAProxy holds headers and short bodies to the same bound)
     max_prompt_bytes: int = 2 * 2**20  # UTF-8 bytes of a prompt or of all messages' text, checked before tokenizing
     max_n: int = 8  # choices per request (n * max_tokens counts against the tenant's tokens/min)
     max_stop: int = 4  # stop strings per request

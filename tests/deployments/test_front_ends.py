@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -21,6 +23,7 @@ import httpx
 import openai
 
 from deployments.cli.up import PORT_QUARANTINE_S
+from deployments.gateway.protocol import RequestLimits
 from deployments.proto.deltaserve.v1 import inference_pb2 as pb
 from deployments.proto.deltaserve.v1 import inference_pb2_grpc as pb_grpc
 from tests.deployments.test_security_defaults import _listeners, listening_sockets
@@ -178,13 +181,54 @@ def _answered_after_kill(pid: int, base: str) -> tuple[float, list]:
     raise AssertionError(f"no 200 on the HTTP port 120 s after the ingress replica died: {other[-5:]}")
 
 
+def _slow_clients(port: int) -> dict[str, list[socket.socket]]:
+    """Connections that never finish their request: headers cut short; a short body cut short (both held in HAProxy);
+    a body cut short after more than HAProxy's 16 KiB buffer (forwarded: the ingress replica holds it)."""
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+    kinds = {"headers": (60, head + b"\r\nX-Pad: "),
+             "short body": (60, head + b"\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model"),
+             "long body": (10, head + b"\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+                           + b" " * 40000)}
+    out = {}
+    for kind, (n, data) in kinds.items():
+        out[kind] = [socket.create_connection(("127.0.0.1", port)) for _ in range(n)]
+        for sock in out[kind]:
+            sock.sendall(data)
+    return out
+
+
+def _answer(sock: socket.socket, timeout_s: float) -> tuple[int | str, bytes]:
+    """The status code of the response ``sock`` got within ``timeout_s`` (or what went wrong instead), and its bytes:
+    read to the end of its body (Content-Length) or of the connection."""
+    sock.settimeout(max(timeout_s, 0.1))
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+            head, sep, body = data.partition(b"\r\n\r\n")
+            length = re.search(rb"(?im)^content-length:\s*(\d+)", head)
+            if sep and length and len(body) >= int(length.group(1)):
+                break
+    except OSError as e:
+        if not data:
+            return type(e).__name__, b""
+    finally:
+        sock.close()
+    return (int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/1.1 ") else "no status"), data
+
+
 def test_haproxy_front_end_listens_on_loopback_only_and_answers_across_an_ingress_restart(tmp_path):
     """The default front end: HAProxy holds both configured ports, forwards to the ingress replica's own servers,
     and listens on 127.0.0.1 only (its stats page and Prometheus exporter too, which Serve binds on every interface:
-    deployments/cli/haproxy_loopback.sh); its files and admin socket are in a directory of mode 700, removed when
+    deployments/cli/haproxy_launch.sh); its files and admin socket are in a directory of mode 700, removed when
     the platform stops. A kill -9 of the ingress replica leaves no request unanswered: HAProxy
-    routes to Serve's proxy actor while no ingress replica is up, and it holds them until the replacement is."""
-    with deltaserve_up(["--tenants", str(tmp_path / "tenants.yaml"), "--no-cache"], env={"DELTASERVE_API_KEY": KEY}) as up:
+    routes to Serve's proxy actor while no ingress replica is up, and it holds them until the replacement is.
+    Clients that never finish sending a request get 408 after ``RequestLimits.body_timeout_s`` while others are
+    served. SIGTERM to the platform's whole process group (every process of Ray's gets it too) leaves no HAProxy
+    behind: it dies with its manager actor."""
+    timeout_s = RequestLimits().body_timeout_s
+    with deltaserve_up(["--tenants", str(tmp_path / "tenants.yaml"), "--no-cache"], env={"DELTASERVE_API_KEY": KEY},
+                       stop_group=True) as up:
         check_up_serves(up.output, up.proc.pid, up.http_port, up.grpc_port, KEY, actor_calls=False)
         pids = descendants(up.proc.pid)
         haproxy = [p for p in pids if Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].endswith(b"/haproxy")]
@@ -208,4 +252,29 @@ def test_haproxy_front_end_listens_on_loopback_only_and_answers_across_an_ingres
             seconds, other = _answered_after_kill(ingress[0], base)
             assert other == [] and seconds < 30, (seconds, other)
             assert client.completions.create(model="k3-tiny", prompt="again", max_tokens=3).usage.completion_tokens == 3
+
+        t0 = time.monotonic()
+        slow = _slow_clients(up.http_port)
+        assert client.completions.create(model="k3-tiny", prompt="meanwhile", max_tokens=3).usage.completion_tokens == 3
+        for kind, socks in slow.items():
+            answers = [_answer(sock, timeout_s + 20 - (time.monotonic() - t0)) for sock in socks]
+            assert {code for code, _ in answers} == {408}, (kind, answers[:3])
+            if kind == "long body":  # the ingress's 408, in OpenAI's shape
+                assert all(f"did not arrive within {timeout_s:g} s".encode() in data for _, data in answers), answers[0]
+        assert time.monotonic() - t0 < timeout_s + 20
+        assert client.completions.create(model="k3-tiny", prompt="after", max_tokens=3).usage.completion_tokens == 3
+        haproxy = [p for p in descendants(up.proc.pid)
+                   if Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].endswith(b"/haproxy")]
     assert not files.exists(), "deltaserve up left HAProxy's files behind"
+    deadline = time.monotonic() + 10
+    while (left := [p for p in haproxy if _running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"HAProxy {left} outlived the platform"
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (not gone, not a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -45,7 +45,7 @@ def test_autoscale_and_budget_flags_reach_the_config(tmp_path):
 
 
 def test_front_end_flags_reach_the_config_and_refuse_a_conflicting_environment(tmp_path, monkeypatch):
-    """HAProxy by default (its binary through the loopback wrapper on a loopback host; its side ports free and
+    """HAProxy by default (its binary through the launch wrapper, its binds moved to loopback on a loopback host; its side ports free and
     distinct), Serve's proxy with `--front-end proxy`, and `--direct-ingress` (= `--front-end direct`) pinning Serve's
     direct-ingress port ranges to the configured ports; a value of the variables that choose the front end already
     in the environment (which serve_env lets win) is refused before anything starts."""
@@ -61,13 +61,14 @@ def test_front_end_flags_reach_the_config_and_refuse_a_conflicting_environment(t
     env = up.serve_env(config)
     assert config.front_end == "haproxy"
     assert (env["RAY_SERVE_ENABLE_HA_PROXY"], env["RAY_SERVE_ENABLE_DIRECT_INGRESS"]) == ("1", "1")
-    assert env["RAY_SERVE_HAPROXY_BINARY_PATH"] == str(up.HAPROXY_LOOPBACK)
-    assert os.access(up.HAPROXY_LOOPBACK, os.X_OK) and os.access(env["DELTASERVE_HAPROXY_BINARY"], os.X_OK)
+    assert env["RAY_SERVE_HAPROXY_BINARY_PATH"] == str(up.HAPROXY_LAUNCH)
+    assert os.access(up.HAPROXY_LAUNCH, os.X_OK) and os.access(env["DELTASERVE_HAPROXY_BINARY"], os.X_OK)
+    assert (env["DELTASERVE_HAPROXY_LOOPBACK"], env["DELTASERVE_HAPROXY_HTTP_REQUEST_TIMEOUT_S"]) == ("1", "10")
     side = [env[f"RAY_SERVE_{name}_PORT"] for name in ("HAPROXY_STATS", "HAPROXY_METRICS", "FALLBACK_PROXY_HTTP",
                                                         "FALLBACK_PROXY_GRPC")]
     assert len(set(side) | {"18123", "19123"}) == 6, side
     everywhere = up.serve_env(config.model_copy(update={"host": "0.0.0.0"}))
-    assert "RAY_SERVE_HAPROXY_BINARY_PATH" not in everywhere  # told to listen everywhere: Serve's binds as they are
+    assert everywhere["DELTASERVE_HAPROXY_LOOPBACK"] == "0"  # told to listen everywhere: Serve's binds as they are
 
     config, _ = up._load_config(parser.parse_args(common + ["--front-end", "proxy"]))
     env = up.serve_env(config)

@@ -134,3 +134,45 @@ def test_seeds_at_the_ends_of_the_range_are_served(served, seed, n):
     assert [c["index"] for c in r.json()["choices"]] == list(range(n))
     err = _error(_post(served, _cmpl(seed=2**63 - 2, n=3)), 400)
     assert err["param"] == "seed" and str(2**63 - 3) in err["message"]
+
+
+def test_a_body_that_stops_arriving_is_408_after_the_body_timeout():
+    """A client that sends part of its body and then nothing more holds the ingress no longer than
+    ``RequestLimits.body_timeout_s``: a 408 in OpenAI's shape, naming the timeout and the bytes that came, and the
+    connection closed. (Through HAProxy, on the platform: tests/deployments/test_front_ends.py.)"""
+    import asyncio
+
+    from deployments.gateway.http_ingress import build_http_app
+
+    app = build_http_app(RequestLimits(body_timeout_s=0.3))
+    sent: list[dict] = []
+    parts = [{"type": "http.request", "body": b'{"mo', "more_body": True}]
+
+    async def receive():
+        if parts:
+            return parts.pop()
+        await asyncio.Event().wait()  # the rest never comes
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "root_path": "", "query_string": b"",
+             "headers": [(b"content-type", b"application/json"), (b"transfer-encoding", b"chunked")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    t0 = asyncio.run(asyncio.wait_for(_timed(app(scope, receive, send)), 5))
+    assert 0.3 <= t0 < 2, t0
+    start, body = sent
+    headers = dict(start["headers"])
+    assert start["status"] == 408 and headers[b"connection"] == b"close" and headers[b"x-deltaserve-request-id"]
+    err = json.loads(body["body"])["error"]
+    assert err["code"] == "request_timeout" and err["type"] == "invalid_request_error"
+    assert err["message"] == "the request body did not arrive within 0.3 s (got 4 bytes)", err
+
+
+async def _timed(awaitable) -> float:
+    import time
+
+    t0 = time.monotonic()
+    await awaitable
+    return time.monotonic() - t0

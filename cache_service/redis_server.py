@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import random
 import shutil
@@ -70,6 +72,14 @@ def _server_pid(port: int, timeout_s: float = 0.2) -> int | None:
         return None
     finally:
         client.close()
+
+
+def die_with_parent() -> None:  # pragma: no cover - runs in the forked child, before exec
+    """``preexec_fn`` of a child server: Linux sends it SIGTERM when the thread that started it ends (its process
+    dying, even by SIGKILL, or a signal without a handler such as SIGHUP), so no server is left behind holding its
+    port. Start such a child from a thread that lives as long as the child should."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _terminate(proc: subprocess.Popen) -> None:
@@ -157,7 +167,8 @@ class LocalRedisServer:
         cmd += ["--maxmemory-policy", self.policy]
         if self.maxmemory_bytes is not None:
             cmd += ["--maxmemory", str(self.maxmemory_bytes)]
-        self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                      preexec_fn=die_with_parent)
         self._finalizer = weakref.finalize(self, _terminate, self._proc)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -482,7 +482,9 @@ def up(args: argparse.Namespace) -> int:
             running.callback(prometheus.stop)
         _print_ready(config, new_key, time.time() - t0, prometheus.url if prometheus is not None else None)
         stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        # SIGHUP too: a closing terminal stops the platform as Ctrl-C does (its default ends the process at once,
+        # leaving Serve's HAProxy, redis-server and Ray's agents running)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, lambda *_: stop.set())
         stop.wait()
         print("deltaserve: shutting down...", flush=True)

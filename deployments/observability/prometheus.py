@@ -17,9 +17,7 @@ session directory (``<session>/prometheus/``), with Ray's logs of the same run.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import shutil
-import signal
 import socket
 import subprocess
 import threading
@@ -30,6 +28,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from cache_service.redis_server import die_with_parent
 from deployments.config import MetricsConfig
 
 OPS_DIR = Path(__file__).resolve().parents[2] / "ops" / "prometheus"
@@ -112,12 +111,6 @@ class DiscoveryFile:
             self._thread.join(timeout=self._period_s + 5)
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child
-    """Linux: SIGTERM to the child when `deltaserve up` dies (even by SIGKILL), so no Prometheus is left behind."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 @dataclass
 class LocalPrometheus:
     """A running ``prometheus`` child process on 127.0.0.1:``port``, its files in ``workdir``."""
@@ -182,7 +175,7 @@ def start_prometheus(config: dict, *, port: int, workdir: Path, binary: str = "p
            f"--web.listen-address=127.0.0.1:{port}"]
     with open(workdir / "prometheus.log", "ab") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                preexec_fn=_die_with_parent)
+                                preexec_fn=die_with_parent)
     prometheus = LocalPrometheus(proc, port, workdir)
     prometheus.wait_ready(ready_timeout_s)
     return prometheus

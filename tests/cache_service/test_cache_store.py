@@ -176,3 +176,35 @@ def test_picked_ports_are_outside_the_ephemeral_range_and_never_repeat(monkeypat
     assert sorted(find_free_ports(3)) == spare
     with pytest.raises(RuntimeError):
         find_free_port()
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (not gone, not a zombie waiting for init)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_local_server_dies_with_the_process_that_started_it():
+    """kill -9 of the process that started a LocalRedisServer (as `deltaserve up` does) leaves no redis-server."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import time; from cache_service import LocalRedisServer; s = LocalRedisServer().start(); "
+            "print(s.pid, flush=True); time.sleep(120)")
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).resolve().parents[2])
+    try:
+        pid = int(owner.stdout.readline())
+        assert b"redis-server" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        owner.kill()
+        owner.wait()
+        deadline = time.monotonic() + 10
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(pid), "redis-server outlived the process that started it"
+    finally:
+        owner.kill()

@@ -224,11 +224,11 @@ def test_haproxy_front_end_listens_on_loopback_only_and_answers_across_an_ingres
     the platform stops. A kill -9 of the ingress replica leaves no request unanswered: HAProxy
     routes to Serve's proxy actor while no ingress replica is up, and it holds them until the replacement is.
     Clients that never finish sending a request get 408 after ``RequestLimits.body_timeout_s`` while others are
-    served. SIGTERM to the platform's whole process group (every process of Ray's gets it too) leaves no HAProxy
-    behind: it dies with its manager actor."""
+    served. SIGHUP to the platform's whole process group, as a closing terminal sends it (every process of Ray's gets
+    it too), stops `deltaserve up` as Ctrl-C does and leaves no HAProxy behind: it dies with its manager actor."""
     timeout_s = RequestLimits().body_timeout_s
     with deltaserve_up(["--tenants", str(tmp_path / "tenants.yaml"), "--no-cache"], env={"DELTASERVE_API_KEY": KEY},
-                       stop_group=True) as up:
+                       group_signal=signal.SIGHUP) as up:
         check_up_serves(up.output, up.proc.pid, up.http_port, up.grpc_port, KEY, actor_calls=False)
         pids = descendants(up.proc.pid)
         haproxy = [p for p in pids if Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].endswith(b"/haproxy")]

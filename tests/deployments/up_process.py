@@ -107,19 +107,19 @@ def run_up(args: list[str], env: dict[str, str] | None = None, timeout_s: float 
 
 @contextlib.contextmanager
 def deltaserve_up(args: list[str], env: dict[str, str] | None = None, ready_s: float = 300,
-                  prometheus: bool = False, stop_group: bool = False) -> Iterator[UpProcess]:
+                  prometheus: bool = False, group_signal: int | None = None) -> Iterator[UpProcess]:
     """A running `deltaserve up ARGS` on free HTTP, gRPC and Ray metrics export ports, stopped with
     Ctrl-C on exit (which must then exit 0). ``prometheus``: with the embedded Prometheus on a free
-    port (else ``--no-prometheus``), so parallel platforms never share 8085 or 9090. ``stop_group``: started in a
-    process group of its own and stopped with SIGTERM to the whole group (as `timeout` or a closing terminal stops a
-    command: every process of Ray's gets it too, not only `deltaserve up`)."""
+    port (else ``--no-prometheus``), so parallel platforms never share 8085 or 9090. ``group_signal``: started in a
+    process group of its own and stopped with this signal to the whole group (as `timeout` (SIGTERM) or a closing
+    terminal (SIGHUP) stops a command: every process of Ray's gets it too, not only `deltaserve up`)."""
     http_port, grpc_port, metrics_port = find_free_port(), find_free_port(), find_free_port()
     prometheus_port = find_free_port() if prometheus else None
     ports = ["--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-export-port", str(metrics_port)]
     ports += ["--prometheus-port", str(prometheus_port)] if prometheus else ["--no-prometheus"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "deployments.cli.main", "up", *ports, *args], cwd=ROOT, env=_env(env or {}),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=stop_group)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=group_signal is not None)
     lines: queue.Queue[str] = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True)
     reader.start()
@@ -138,8 +138,8 @@ def deltaserve_up(args: list[str], env: dict[str, str] | None = None, ready_s: f
             assert "Prometheus: off" in ready and not up.prometheus_pids(), ready
         yield up
     finally:
-        if stop_group:
-            os.killpg(proc.pid, signal.SIGTERM)
+        if group_signal is not None:
+            os.killpg(proc.pid, group_signal)
         else:
             proc.send_signal(signal.SIGINT)
         try:

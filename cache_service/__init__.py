@@ -38,7 +38,8 @@ _EXPORTS = {
     "check_tenant": "keys", "handoff_key": "keys", "kda_key": "keys", "key_kind": "keys", "mla_key": "keys",
     "session_key": "keys", "stats_key": "keys", "tenant_pattern": "keys",
     "ByteLRU": "lru",
-    "LocalRedisServer": "redis_server", "find_free_port": "redis_server", "find_free_ports": "redis_server", "reserve_ports": "redis_server",
+    "LocalRedisServer": "redis_server", "find_free_port": "redis_server", "find_free_ports": "redis_server",
+    "reserve_ports": "redis_server",
     "RedisStore": "store",
 }
 

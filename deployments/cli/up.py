@@ -18,7 +18,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading

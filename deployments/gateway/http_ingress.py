@@ -325,7 +325,7 @@ class BodyLimit:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
             return await self._reject(send, self._too_large(f"{length.decode('latin-1')[:20]} bytes (Content-Length)"))
-        body = bytearray()
+        body, err = bytearray(), None
         try:
             async with asyncio.timeout(self.timeout_s):
                 while True:
@@ -334,12 +334,14 @@ class BodyLimit:
                         return  # the client went away
                     body += msg.get("body", b"")
                     if len(body) > self.max_bytes:
-                        return await self._reject(send, self._too_large(f"over {len(body)} bytes"))
+                        err = self._too_large(f"over {len(body)} bytes")
+                        break
                     if not msg.get("more_body", False):
                         break
         except TimeoutError:
-            return await self._reject(send, RequestTimeout(
-                f"the request body did not arrive within {self.timeout_s:g} s (got {len(body)} bytes)"))
+            err = RequestTimeout(f"the request body did not arrive within {self.timeout_s:g} s (got {len(body)} bytes)")
+        if err is not None:
+            return await self._reject(send, err)
         replayed = False
 
         async def replay():

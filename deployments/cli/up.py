@@ -271,6 +271,19 @@ def _environ(extra: dict[str, str]):
             os.environ.pop(k, None)
 
 
+def remove_stale_haproxy_dirs(tmp: str) -> list[str]:
+    """Remove the HAProxy directories (``<tmp>/dsh-<pid>-*``, this user's) of `deltaserve up` processes that are gone
+    (killed, so their exit did not remove them); one whose pid is live, or reused, stays. Returns what it removed."""
+    removed = []
+    for path in Path(tmp).glob("dsh-*-*"):
+        pid = path.name.split("-")[1]
+        with contextlib.suppress(OSError):
+            if pid.isdigit() and path.is_dir() and path.stat().st_uid == os.getuid() and not Path(f"/proc/{pid}").exists():
+                shutil.rmtree(path)
+                removed.append(str(path))
+    return removed
+
+
 def start(config: PlatformConfig, *, app_name: str = "deltaserve", extra_apps: list | None = None,
           metrics_export_port: int | None = None, progress: Callable[[str], None] | None = None) -> None:
     """Start Ray (local, if not running; with :func:`serve_env`; its metrics agent exporting on
@@ -285,7 +298,9 @@ def start(config: PlatformConfig, *, app_name: str = "deltaserve", extra_apps: l
         if config.front_end == "haproxy":
             # mode 700; a short path: HAProxy's socket path, which Serve extends by the 56-character node id, must fit
             # in 97 characters
-            files = tempfile.mkdtemp(prefix="dsh-", dir="/tmp" if os.path.isdir("/tmp") else None)
+            tmp = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
+            remove_stale_haproxy_dirs(tmp)
+            files = tempfile.mkdtemp(prefix=f"dsh-{os.getpid()}-", dir=tmp)
             atexit.register(shutil.rmtree, files, True)
             env.update(haproxy_files_env(files))
         with _environ(env):

@@ -94,3 +94,22 @@ def test_front_end_flags_reach_the_config_and_refuse_a_conflicting_environment(t
     monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")
     with pytest.raises(ValueError, match="front end 'proxy' needs RAY_SERVE_ENABLE_HA_PROXY=0; the environment sets '1'"):
         up._load_config(parser.parse_args(common + ["--front-end", "proxy"]))
+
+
+def test_haproxy_dirs_of_platforms_that_are_gone_are_removed_at_start(tmp_path):
+    """A `deltaserve up` that was killed leaves its HAProxy directory (`dsh-<pid>-*`); the next start removes it, and
+    nothing of a live process or of another naming."""
+    import subprocess
+
+    from deployments.cli import up
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = tmp_path / f"dsh-{gone.pid}-x1"
+    (stale / "node").mkdir(parents=True)
+    (stale / "node" / "haproxy.cfg").write_text("global\n")
+    kept = [tmp_path / f"dsh-{os.getpid()}-x2", tmp_path / "dsh-abc-x3", tmp_path / "dsh-x4"]
+    for path in kept:
+        path.mkdir()
+    assert up.remove_stale_haproxy_dirs(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and all(path.exists() for path in kept)

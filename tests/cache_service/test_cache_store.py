@@ -8,6 +8,7 @@ import pytest
 
 from cache_service import CircuitBreaker, LocalRedisServer, RedisStore, find_free_port, find_free_ports
 from cache_service.redis_server import PICK_PORTS
+from tests.deployments.up_process import process_running
 
 
 def test_set_many_get_many_with_ttl(store, raw_redis):
@@ -178,15 +179,6 @@ def test_picked_ports_are_outside_the_ephemeral_range_and_never_repeat(monkeypat
         find_free_port()
 
 
-def _running(pid: int) -> bool:
-    """Whether ``pid`` is a live process (not gone, not a zombie waiting for init)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_a_local_server_dies_with_the_process_that_started_it():
     """kill -9 of the process that started a LocalRedisServer (as `deltaserve up` does) leaves no redis-server."""
     import subprocess
@@ -203,8 +195,8 @@ def test_a_local_server_dies_with_the_process_that_started_it():
         owner.kill()
         owner.wait()
         deadline = time.monotonic() + 10
-        while _running(pid) and time.monotonic() < deadline:
+        while process_running(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _running(pid), "redis-server outlived the process that started it"
+        assert not process_running(pid), "redis-server outlived the process that started it"
     finally:
         owner.kill()

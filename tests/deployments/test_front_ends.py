@@ -27,7 +27,7 @@ from deployments.gateway.protocol import RequestLimits
 from deployments.proto.deltaserve.v1 import inference_pb2 as pb
 from deployments.proto.deltaserve.v1 import inference_pb2_grpc as pb_grpc
 from tests.deployments.test_security_defaults import _listeners, listening_sockets
-from tests.deployments.up_process import check_up_serves, deltaserve_up, descendants
+from tests.deployments.up_process import check_up_serves, deltaserve_up, descendants, process_running
 
 KEY = "ds-front-end-key-0123456789abcdef"
 SERVICE = "deltaserve.v1.Inference"
@@ -267,14 +267,7 @@ def test_haproxy_front_end_listens_on_loopback_only_and_answers_across_an_ingres
                    if Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].endswith(b"/haproxy")]
     assert not files.exists(), "deltaserve up left HAProxy's files behind"
     deadline = time.monotonic() + 10
-    while (left := [p for p in haproxy if _running(p)]) and time.monotonic() < deadline:
+    while (left := [p for p in haproxy if process_running(p)]) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, f"HAProxy {left} outlived the platform"
 
-
-def _running(pid: int) -> bool:
-    """Whether ``pid`` is a live process (not gone, not a zombie)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

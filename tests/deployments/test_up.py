@@ -45,8 +45,8 @@ def test_autoscale_and_budget_flags_reach_the_config(tmp_path):
 
 
 def test_front_end_flags_reach_the_config_and_refuse_a_conflicting_environment(tmp_path, monkeypatch):
-    """HAProxy by default (its binary through the launch wrapper, its binds moved to loopback on a loopback host; its side ports free and
-    distinct), Serve's proxy with `--front-end proxy`, and `--direct-ingress` (= `--front-end direct`) pinning Serve's
+    """HAProxy by default (its binary through the launch wrapper, its binds moved to loopback on a loopback host;
+    its side ports free and distinct), Serve's proxy with `--front-end proxy`, and `--direct-ingress` (= `--front-end direct`) pinning Serve's
     direct-ingress port ranges to the configured ports; a value of the variables that choose the front end already
     in the environment (which serve_env lets win) is refused before anything starts."""
     import argparse

@@ -154,6 +154,14 @@ def deltaserve_up(args: list[str], env: dict[str, str] | None = None, ready_s: f
     assert any(ln.startswith("deltaserve: stopped") for ln in up.output), "".join(up.output)
 
 
+def process_running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (not gone, not a zombie waiting to be reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def serve_replica_environs(pid: int) -> list[dict[str, str]]:
     """The environment of every Serve replica process under ``pid``."""
     envs = []

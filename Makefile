@@ -47,7 +47,7 @@ serve: install
 	$(VENV)/bin/deltaserve up
 
 test: install hf-env
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 bench: install hf-env
 	$(PY) benchmarks/run_all.py

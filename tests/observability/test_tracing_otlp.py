@@ -424,6 +424,12 @@ def test_one_request_is_one_trace_across_processes_with_the_response_numbers(tra
     got = traced.sink.request_trace(again.json()["id"], names)
     _check_request_trace(traced, again, got)
     assert got["prefill"][0].attributes["deltaserve.cache_hit"] is True
+    # every span the ingress exported belongs to a request's trace rooted at its `ingress` span: no second trace per
+    # request from the web framework's own instrumentation (FastAPI's "POST /v1/completions" and its operation spans;
+    # the first requests' would have been exported before this one's ingress span, from the same queue)
+    ingress_spans = [sp for sp in traced.sink.spans() if sp.resource["service.name"] == "deltaserve-ingress"]
+    roots = {sp.trace_id for sp in ingress_spans if sp.name == "ingress"}
+    assert roots and not [(sp.name, sp.trace_id[:8]) for sp in ingress_spans if sp.trace_id not in roots]
     print(f"\ntrace of a cache hit: {cached} of {again.json()['usage']['prompt_tokens']} prompt tokens cached; spans "
           f"{sorted((s.name, s.pid) for v in got.values() for s in v)}")
 

@@ -22,7 +22,6 @@ Writes ``benchmarks/results/burst_timeline.{json,md}``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import secrets
@@ -38,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_serving import engine_run  # noqa: E402
-from benchmarks.bench_vs_vllm import Workload, _stream, corpus, git_commit, prompts, settle  # noqa: E402
+from benchmarks.bench_vs_vllm import Workload, corpus, git_commit, http_wave, prompts, settle  # noqa: E402
 from benchmarks.peer_models import REFERENCE  # noqa: E402
 from benchmarks.report import write_report  # noqa: E402
 from deployments.config import PlatformConfig  # noqa: E402
@@ -62,17 +61,6 @@ PHASES = (
     ("the client has a first chunk: median (TTFT p50)", lambda s: statistics.median(s["first"])),
     ("the client has a first chunk: last", lambda s: max(s["first"])),
 )
-
-
-def http_wave(base: str, key: str, texts: list[str], new_tokens: int) -> list[dict]:
-    import httpx
-
-    async def run():
-        limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits, trust_env=False) as client:
-            return await asyncio.gather(*(_stream(client, base, key, REFERENCE, t, new_tokens) for t in texts))
-
-    return asyncio.run(run())
 
 
 def wave_stamps(reqs: list[dict], spans: dict[str, list[dict]]) -> dict[str, list[float]] | None:
@@ -141,7 +129,7 @@ def main() -> int:
             waves = []
             for i in range(args.waves + 2):
                 settle()
-                reqs = http_wave(base, key, prompts(w, f"bt{i}", text), w.new_tokens)
+                reqs = http_wave(base, key, REFERENCE, prompts(w, f"bt{i}", text), w.new_tokens)["requests"]
                 print(f"wave {i}: TTFT p50 {statistics.median(r['ttft'] for r in reqs):.3f} s", flush=True)
                 if i >= 2:
                     waves.append(reqs)
@@ -164,9 +152,16 @@ def main() -> int:
         rows.append({"phase": label, "ms_median": round(statistics.median(vals), 1) if vals else None,
                      "ms_range": f"{min(vals):.0f}-{max(vals):.0f}" if vals else ""})
     local = statistics.median(len(s["local"]) for s in stamps)
+    # the prefill replica's half, side by side: from the last request at the replicas to its last result leaving,
+    # against the in-process time of the same half plus the gather gap the replica waits first
+    gap_ms = PlatformConfig().pools[POOL].prefill_gather_gap_ms
+    half_ms = statistics.median(max(s["prefill_end"]) - max(s["local"] + s["prefill"]) for s in stamps if s["prefill_end"])
+    half_ratio = half_ms / (ref["8 x 100"] * 1e3 + gap_ms)
     summary = {"commit": commit, "measured_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "waves": len(stamps), "new_tokens": args.new_tokens, "local_per_wave_median": local,
                "reference_s": {k: round(v, 4) for k, v in ref.items()},
+               "prefill_half_ms": round(half_ms, 1), "gather_gap_ms": gap_ms,
+               "prefill_half_over_in_process": round(half_ratio, 2),
                "elapsed_s": round(time.perf_counter() - t_start, 1)}
     notes = "\n".join([
         f"Measured {summary['measured_utc']} at commit `{commit}`; {len(stamps)} waves of 16 x 100-token prompts, "
@@ -177,6 +172,10 @@ def main() -> int:
         f"and the rest through the prefill replica. In this process, one `Engine` (one torch thread, the standard "
         f"pool's caps) prefilled the whole burst in {ref['16 x 100'] * 1e3:.0f} ms and the half of it each replica "
         f"gets (8 x 100) in {ref['8 x 100'] * 1e3:.0f} ms.",
+        "",
+        f"The prefill replica's half on the platform, from the last request at the replicas to its last result "
+        f"leaving (median over the waves): {half_ms:.0f} ms, against {ref['8 x 100'] * 1e3:.0f} ms in process plus the "
+        f"{gap_ms:g} ms gather gap the replica waits first: **{half_ratio:.2f}x**.",
         "",
         "Machine: 2 CPU cores shared with other work (load average "
         f"{os.getloadavg()[0]:.1f} at the end); the stamps of one wave are comparable, absolute times move with the "

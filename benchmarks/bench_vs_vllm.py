@@ -153,7 +153,8 @@ async def _stream(client, base: str, key: str, model: str, prompt: str, max_toke
 
 
 def http_wave(base: str, key: str, model: str, texts: list[str], max_tokens: int) -> dict:
-    """Every prompt at once as its own stream; aggregate tokens/s and per-request TTFT."""
+    """Every prompt at once as its own stream; aggregate tokens/s and per-request TTFT (``requests``: each stream's
+    own record, its client-clock stamps included)."""
     import httpx
 
     async def run():
@@ -166,7 +167,7 @@ def http_wave(base: str, key: str, model: str, texts: list[str], max_tokens: int
     tokens = sum(r["tokens"] for r in reqs)
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "ttft": [r["ttft"] for r in reqs],
             "texts": [r["text"] for r in reqs], "prompt_tokens": [r["prompt_tokens"] for r in reqs],
-            "completion_tokens": [r["tokens"] for r in reqs]}
+            "completion_tokens": [r["tokens"] for r in reqs], "requests": reqs}
 
 
 # -- vLLM processes ------------------------------------------------------------------------------------------------

@@ -119,7 +119,8 @@ def progress_line(status: dict, names: list[str]) -> str:
     return f"{line} ({'; '.join(parts)})" if parts else line
 
 
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(8 << 20)}  # tensors >= 8 MiB are mmapped and returned on free
+# tensors >= 8 MiB are mmapped and returned on free; a heap keeps up to 16 MiB of free top before giving it back
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(8 << 20), "MALLOC_TRIM_THRESHOLD_": str(16 << 20)}
 
 
 def serve_env(config: PlatformConfig) -> dict[str, str]:
@@ -127,14 +128,18 @@ def serve_env(config: PlatformConfig) -> dict[str, str]:
 
     Always: Serve's gRPC proxy listens on ``config.host`` (Serve binds every interface by itself;
     :func:`deployments.gateway.grpc_proxy.bind_grpc_to_host` is the proxy callback that moves it).
-    And glibc's mmap threshold is fixed at 8 MiB (:data:`MALLOC_ENV`). By default it rises after the
-    first large free (up to 32 MiB), so later large tensors come from the heap and a replica's
-    resident memory keeps the high-water mark of its largest step (benchmarks/results/soak.md: a
-    prefill replica +31% over a soak with the default). Fixed too low, every step's activations
-    (a 1,024-token chunk's widest is 5.5 MB at k3-tiny's widths) are fresh mmaps that page-fault
-    in: at 1 MiB prefill took 1.3-1.5x the CPU it takes at 8 MiB, which is within 6% of the default
-    (benchmarks/results/malloc_threshold.md). The soak at 8 MiB kept the engine replicas within +1%
-    of their size after warm-up (benchmarks/results/soak.md).
+    And glibc's mmap threshold is fixed at 8 MiB, its trim threshold at 16 MiB (:data:`MALLOC_ENV`). By
+    default the mmap threshold rises after the first large free (up to 32 MiB), so later large tensors
+    come from the heap and a replica's resident memory keeps the high-water mark of its largest step
+    (benchmarks/results/soak.md: a prefill replica +31% over a soak with the default). Fixed too low,
+    every step's activations (a 1,024-token chunk's widest is 5.5 MB at k3-tiny's widths) are fresh
+    mmaps that page-fault in (at 1 MiB prefill took 1.2-1.3x the CPU). Fixing the mmap threshold also
+    stops glibc from raising the trim threshold with it (to twice its value): left at 128 KiB, the
+    engine's stepping thread gives its heap's free top back after every step and faults the same pages
+    in on the next (16x the page faults, 5-13% more engine CPU than with 16 MiB, prefill and decode:
+    benchmarks/results/malloc_threshold.md). The soak at 8 MiB kept the engine replicas within +1% of
+    their size after warm-up (benchmarks/results/soak.md); 16 MiB of trim threshold lets each malloc
+    arena hold at most that much free memory more.
 
     Throughput-optimized Serve (a documented mode since Ray 2.55, unless ``--serve-actor-calls``)
     sends requests and streamed items between replicas over gRPC instead of Ray actor calls and

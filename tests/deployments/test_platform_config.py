@@ -69,7 +69,8 @@ def test_serve_env_is_throughput_optimized_with_the_front_end_and_never_override
     env = serve_env(PlatformConfig())
     assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1" and env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     grpc_host = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "deployments.gateway.grpc_proxy.bind_grpc_to_host",
-                 "DELTASERVE_GRPC_HOST": "127.0.0.1", "MALLOC_MMAP_THRESHOLD_": "8388608"}
+                 "DELTASERVE_GRPC_HOST": "127.0.0.1", "MALLOC_MMAP_THRESHOLD_": "8388608",
+                 "MALLOC_TRIM_THRESHOLD_": "16777216"}
     proxies = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "0", "RAY_SERVE_ENABLE_HA_PROXY": "0"}
     assert serve_env(PlatformConfig(front_end="proxy")) == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
                                                             "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1",

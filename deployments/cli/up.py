@@ -133,11 +133,11 @@ def serve_env(config: PlatformConfig) -> dict[str, str]:
     come from the heap and a replica's resident memory keeps the high-water mark of its largest step
     (benchmarks/results/soak.md: a prefill replica +31% over a soak with the default). Fixed too low,
     every step's activations (a 1,024-token chunk's widest is 5.5 MB at k3-tiny's widths) are fresh
-    mmaps that page-fault in (at 1 MiB prefill took 1.2-1.3x the CPU). Fixing the mmap threshold also
+    mmaps that page-fault in (at 1 MiB prefill took 1.3-1.5x the CPU). Fixing the mmap threshold also
     stops glibc from raising the trim threshold with it (to twice its value): left at 128 KiB, the
     engine's stepping thread gives its heap's free top back after every step and faults the same pages
-    in on the next (16x the page faults, 5-13% more engine CPU than with 16 MiB, prefill and decode:
-    benchmarks/results/malloc_threshold.md). The soak at 8 MiB kept the engine replicas within +1% of
+    in on the next (23x the page faults; prefill took 1.12-1.19x the CPU it takes with 16 MiB, decode
+    1.03x: benchmarks/results/malloc_threshold.md). The soak at 8 MiB kept the engine replicas within +1% of
     their size after warm-up (benchmarks/results/soak.md); 16 MiB of trim threshold lets each malloc
     arena hold at most that much free memory more.
 

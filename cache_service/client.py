@@ -14,7 +14,12 @@ Values in Redis are sealed with the platform's key (:class:`EntryMac`): one read
 does not verify (forged, altered, copied from another key) never reaches the decoder or the
 LRU: it is counted as ``forged`` (and ``corrupt``), deleted and treated as a miss.
 Writes never run on the caller's thread: they queue (bounded; a full queue drops and
-counts) for one writer thread that encodes and stores in the LRU and Redis. When Redis is
+counts) for one writer thread that encodes and stores in the LRU and Redis. The writer takes
+every job queued when it wakes and sends their entries and counters in one Redis round trip
+(a burst of streams reaching a block boundary in the same step is one pipeline, not one per
+stream). A recorder holds a sequence's MLA blocks until its next KDA checkpoint: a lookup
+resumes only at a KDA checkpoint and reads the blocks before it, so a block written sooner
+serves nobody, and a stream that ends without one (aborted) writes none. When Redis is
 down the store's circuit breaker answers "unavailable" at once: lookups miss, writes land
 in the LRU only; nothing raises.
 """
@@ -26,7 +31,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 import torch
@@ -92,6 +97,22 @@ class Lookup:
         return self.state.position
 
 
+WRITE_BATCH_JOBS = 256  # most queued write jobs the writer merges into one Redis round trip
+
+
+@dataclass
+class _WriteBatch:
+    """What one pass of the writer thread sends: entries (key, value, ttl), counter increments, and what waits for
+    them."""
+
+    sets: list[tuple[str, bytes, int]] = field(default_factory=list)
+    incrs: dict[str, Counter] = field(default_factory=dict)
+    after: list = field(default_factory=list)
+
+    def incr(self, key: str, fields: dict[str, int]) -> None:
+        self.incrs.setdefault(key, Counter()).update(fields)
+
+
 class PrefixCache:
     """``mac_key`` is the platform's cache secret (:func:`cache_service.codec.load_cache_key`): every
     replica sharing a Redis must be given the same one."""
@@ -106,6 +127,7 @@ class PrefixCache:
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue(self.settings.max_pending_writes)
+        self._batch: _WriteBatch | None = None  # the writer thread's batch while it runs its jobs
         self._writer = threading.Thread(target=self._write_loop, name="deltaserve-cache-writer", daemon=True)
         self._writer.start()
         self._epochs: dict[str, str] | None = None
@@ -260,14 +282,40 @@ class PrefixCache:
 
     def _write_loop(self) -> None:
         while True:  # a daemon thread: lives as long as the replica
-            job = self._queue.get()
+            jobs = [self._queue.get()]
+            while len(jobs) < WRITE_BATCH_JOBS:
+                try:
+                    jobs.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            self._batch = batch = _WriteBatch()
             try:
-                job()
-            except Exception:  # a write must never take the writer down
-                log.exception("deltaserve cache: a write failed")
+                for job in jobs:
+                    try:
+                        job()
+                    except Exception:  # a write must never take the writer down
+                        log.exception("deltaserve cache: a write failed")
+                        self._count(write_errors=1)
+                self._batch = None
+                self._send(batch)
+            except Exception:
+                log.exception("deltaserve cache: a batch of writes failed")
                 self._count(write_errors=1)
             finally:
-                self._queue.task_done()
+                self._batch = None
+                for _ in jobs:
+                    self._queue.task_done()
+
+    def _send(self, batch: "_WriteBatch") -> None:
+        """In the writer thread: one batch's entries and counters to Redis in one round trip, then what had to wait
+        for them (a session's pointer to its new checkpoint)."""
+        if self.store is not None and (batch.sets or batch.incrs):
+            ok = self.store.write_many([(k, self.mac.seal(k, v), ttl) for k, v, ttl in batch.sets], batch.incrs)
+            n, size = len(batch.sets), sum(len(v) for _, v, _ in batch.sets)
+            self._count(redis_writes=n if ok else 0, redis_write_bytes=size if ok else 0,
+                        redis_writes_skipped=0 if ok else n)
+        for fn in batch.after:
+            fn()
 
     def flush_writes(self, timeout_s: float = 30.0) -> bool:
         """Wait until queued writes are done (tests, shutdown); False on timeout."""
@@ -279,17 +327,24 @@ class PrefixCache:
         return True
 
     def _put(self, items: list[tuple[str, bytes]], ttl_s: int) -> None:
+        """In a write job: ``items`` into the LRU now and into the writer's batch for Redis."""
         for k, v in items:
             self.lru.put(k, v)
-        if self.store is not None and items:
-            ok = self.store.set_many([(k, self.mac.seal(k, v)) for k, v in items], ttl_s)
-            self._count(redis_writes=len(items) if ok else 0, redis_write_bytes=sum(len(v) for _, v in items) if ok else 0,
-                        redis_writes_skipped=0 if ok else len(items))
+        self._in_batch().sets.extend((k, v, ttl_s) for k, v in items)
+
+    def _after_put(self, fn) -> None:
+        """In a write job: run ``fn`` once the batch's entries are in Redis."""
+        self._in_batch().after.append(fn)
+
+    def _in_batch(self) -> "_WriteBatch":
+        if self._batch is None or threading.current_thread() is not self._writer:
+            raise RuntimeError("cache entries are written by write jobs in the writer thread (a bug)")
+        return self._batch
 
     def record_tenant(self, tenant: str, **fields: int) -> None:
-        """Add to the tenant's counters in Redis (asynchronously)."""
+        """Add to the tenant's counters in Redis (asynchronously, merged with the writer's batch)."""
         if self.store is not None:
-            self._submit(lambda: self.store.incr_fields(stats_key(tenant), fields))
+            self._submit(lambda: self._in_batch().incr(stats_key(tenant), fields))
 
     def _watch_flushes(self, interval_s: float = 0.5) -> None:
         """Drop LRU entries of a tenant (or all) within ``interval_s`` of an operator's flush."""
@@ -358,11 +413,15 @@ class Recorder:
     def __init__(self, cache: PrefixCache, key: CacheKey, hashes: list[bytes]) -> None:
         self.cache, self.key = cache, key
         self.hashes = hashes  # hash of every full block known so far; the writer thread extends it
+        self._held: list[CheckpointLike] = []  # blocks waiting for a KDA checkpoint (add)
 
     def add(self, checkpoints: list[CheckpointLike]) -> None:
-        """Queue ``checkpoints`` (from :attr:`RequestOutput.checkpoints`) for writing; returns at once."""
-        if checkpoints:
-            self.cache._submit(lambda: self._write(checkpoints))
+        """Queue ``checkpoints`` (from :attr:`RequestOutput.checkpoints`) for writing; returns at once. Blocks
+        without a KDA state wait for the next checkpoint that has one (see the module docstring)."""
+        self._held.extend(checkpoints)
+        if any(cp.kda is not None for cp in checkpoints):
+            held, self._held = self._held, []
+            self.cache._submit(lambda: self._write(held))
 
     def _write(self, checkpoints: list[CheckpointLike]) -> None:
         cache, bs, tenant = self.cache, self.cache.settings.block_size, self.key.tenant
@@ -388,6 +447,6 @@ class Recorder:
         cache._put(items, cache.settings.ttl_s)
         cache._count(blocks_written=sum(1 for k, _ in items if ":mla:" in k), checkpoints_written=sum(1 for k, _ in items if ":kda:" in k))
         if last is not None and self.key.session_id is not None and cache.store is not None:
-            cache.store.hset(session_key(tenant, self.key.session_id),
-                             {"tenant": tenant, "position": last[0], "hash": last[1].hex(), "updated": int(time.time())},
-                             cache.settings.session_ttl_s)
+            store, skey = cache.store, session_key(tenant, self.key.session_id)
+            record = {"tenant": tenant, "position": last[0], "hash": last[1].hex(), "updated": int(time.time())}
+            cache._after_put(lambda: store.hset(skey, record, cache.settings.session_ttl_s))

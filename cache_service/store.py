@@ -161,6 +161,26 @@ class RedisStore:
         """The value; None if missing or Redis is unavailable."""
         return self._call("GET", lambda r: r.get(key), None)
 
+    def write_many(self, sets: list[tuple[str, bytes, int]], incrs: dict[str, dict[str, int]]) -> bool:
+        """SET each (key, value, ttl_s) with its expiry and HINCRBY each key's fields, in one round trip (no
+        transaction); False if Redis is unavailable."""
+        for _, _, ttl_s in sets:
+            _check_ttl(ttl_s)
+        if not sets and not incrs:
+            return self._nothing_to_do(True, False)
+
+        def run(r: redis.Redis) -> bool:
+            pipe = r.pipeline(transaction=False)
+            for key, value, ttl_s in sets:
+                pipe.set(key, value, ex=ttl_s)
+            for key, fields in incrs.items():
+                for name, amount in fields.items():
+                    pipe.hincrby(key, name, int(amount))
+            pipe.execute()
+            return True
+
+        return self._call("SET", run, False)
+
     def set(self, key: str, value: bytes, ttl_s: int) -> bool:
         """SET with a ``ttl_s`` second expiry; False if Redis is unavailable."""
         _check_ttl(ttl_s)

@@ -164,3 +164,52 @@ def test_no_redis_at_all_is_an_lru_cache(model):
     assert a.lookup(key, ids).position == 16
     with pytest.raises(ValueError, match="tenant"):
         a.key(tenant="Bad Tenant", tenant_salt="x" * 32)
+
+
+def test_blocks_wait_for_a_kda_checkpoint_and_a_burst_of_writes_is_one_round_trip(model, redis_server, raw_redis):
+    """A stream's MLA blocks reach Redis only with the KDA checkpoint that makes them resumable (an aborted stream
+    writes none), and the writer sends every job queued when it wakes in one round trip."""
+    import threading
+
+    engine = Engine(ModelRunner(model, 4), load_tokenizer("tiny-k3"),
+                    EngineConfig(num_slots=4, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024))
+    cache = make_cache(model, redis_server.url)
+    plan = CheckpointPlan(BS, 100)  # no periodic checkpoint within these turns: only the prompt's and the turn's end
+    recs, prompts = {}, {}
+    for i in range(3):
+        prompts[f"s{i}"] = tokens(2 * BS + 3, seed=100 + i)
+        key = cache.key(tenant="acme", tenant_salt="salt")
+        recs[f"s{i}"] = cache.recorder(key, prompts[f"s{i}"])
+        engine.add_request(GenerationRequest(f"s{i}", prompts[f"s{i}"], 3 * BS, ignore_eos=True), checkpoint_plan=plan)
+    after_prompt = None
+    calls: list[int] = []
+    write_many = cache.store.write_many
+    cache.store.write_many = lambda sets, incrs: (calls.append(len(sets)), write_many(sets, incrs))[1]
+    while engine.has_unfinished():
+        outs = engine.step()
+        gate = threading.Event()
+        cache._submit(gate.wait)  # hold the writer while this step's writes queue behind it
+        for o in outs:
+            recs[o.request_id].add(o.checkpoints)
+        gate.set()
+        assert cache.flush_writes()
+        if after_prompt is None:
+            after_prompt = sorted(raw_redis.keys("*:mla:*"))
+            assert len(after_prompt) == 3 * 2 and calls[-1] == 3 * 3  # 2 blocks and a KDA checkpoint per prompt
+        elif engine.has_unfinished():  # mid-turn: the new blocks wait for the turn's checkpoint
+            assert sorted(raw_redis.keys("*:mla:*")) == after_prompt
+    # the turns' ends: every stream's held blocks and its checkpoint, all three streams in one round trip
+    assert len(raw_redis.keys("*:mla:*")) == 3 * (2 * BS + 3 + 3 * BS - 1) // BS
+    assert calls[-1] == 3 * (3 + 1) and len(calls) == 2
+    # an aborted stream writes none of its blocks
+    rec = cache.recorder(cache.key(tenant="acme", tenant_salt="other"), prompts["s0"])
+    engine.add_request(GenerationRequest("a", prompts["s0"], 3 * BS, ignore_eos=True), checkpoint_plan=plan)
+    first = True
+    while engine.has_unfinished():
+        for o in engine.step():
+            rec.add(o.checkpoints if not first else [cp for cp in o.checkpoints if cp.kda is None])
+        first = False
+        if engine.stats.decode_tokens >= 2 * BS:
+            engine.abort("a")
+    assert cache.flush_writes()
+    assert len(raw_redis.keys("*:mla:*")) == 3 * (2 * BS + 3 + 3 * BS - 1) // BS

@@ -16,6 +16,9 @@ gather window it had before bursts were split: 60 / 10 ms, not 100 / 30).
 * bursts: ``--waves`` waves of ``--streams`` concurrent streams (default 16, at most the pool's ``max_num_seqs``)
   of the same prompts x 64 new tokens: output tokens/s and TTFT p50.
 
+``--compare gather-gap`` runs the same against the standard pool's gather gaps (prefill and decode) at 30 ms
+instead (pages ``gather_gap_<pool>``).
+
 All greedy, ``ignore_eos``. Medians per setting; ratios to the second setting.
 
 Writes ``benchmarks/results/local_prefill_<pool>.{json,md}`` (``local_prefill_<pool>_<chars>`` for prompts of
@@ -24,6 +27,7 @@ other than 100 characters).
     .venv/bin/python benchmarks/bench_local_prefill.py
     .venv/bin/python benchmarks/bench_local_prefill.py --model k3-tiny
     .venv/bin/python benchmarks/bench_local_prefill.py --model k3-tiny --prompt-chars 1000 --reps 3 --lone 6
+    .venv/bin/python benchmarks/bench_local_prefill.py --model k3-tiny --compare gather-gap --reps 3 --waves 5
 """
 
 from __future__ import annotations
@@ -49,10 +53,18 @@ from deployments.config import PlatformConfig  # noqa: E402
 from tests.deployments.up_process import deltaserve_up  # noqa: E402
 
 COMMAND = ".venv/bin/python benchmarks/bench_local_prefill.py"
-def settings(pool: str) -> dict[str, dict]:
-    """Setting name -> overrides of ``pool``'s embedded defaults: the defaults, then the baseline the ratios are to,
-    every prompt through prefill (``local_prefill_tokens`` 0); for a pool whose decode replicas gather (standard),
-    with the decode gather window the pool had before it split bursts (60 / 10 ms)."""
+COMPARE = {"local": "local_prefill", "gather-gap": "gather_gap"}  # --compare -> the page's name prefix
+
+
+def settings(pool: str, compare: str = "local") -> dict[str, dict]:
+    """Setting name -> overrides of ``pool``'s embedded defaults: the defaults, then the baseline the ratios are to.
+    ``local``: every prompt through prefill (``local_prefill_tokens`` 0); for a pool whose decode replicas gather
+    (standard), with the decode gather window the pool had before it split bursts (60 / 10 ms). ``gather-gap``: the
+    gather gaps of the prefill and the decode replicas at 30 ms (standard's before)."""
+    if compare == "gather-gap":
+        if not PlatformConfig().pools[pool].decode_gather_wait_ms:
+            raise SystemExit(f"--compare gather-gap: the {pool} pool does not gather")
+        return {"defaults": {}, "gather gaps 30 ms (before)": {"prefill_gather_gap_ms": 30, "decode_gather_gap_ms": 30}}
     if PlatformConfig().pools[pool].decode_gather_wait_ms:
         return {"defaults": {}, "local_prefill_tokens 0, decode gather 60 / 10 ms (before)": {
             "local_prefill_tokens": 0, "decode_gather_wait_ms": 60, "decode_gather_gap_ms": 10}}
@@ -90,6 +102,9 @@ def main() -> int:
                     "max_num_seqs)")
     ap.add_argument("--prompt-chars", type=int, default=100, help="prompt length (the byte tokenizer: ~1 token each)")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--compare", choices=list(COMPARE), default="local", help="local: the defaults vs every prompt "
+                    "through prefill (pages local_prefill_*); gather-gap: vs the standard pool's gather gaps at 30 ms "
+                    "(pages gather_gap_*)")
     ap.add_argument("--out-dir", type=Path, default=None)
     args = ap.parse_args()
 
@@ -97,7 +112,7 @@ def main() -> int:
     args.streams = args.streams or min(16, PlatformConfig().pools[pool].max_num_seqs)
     tmp, key = bench_tenant("bench_local_prefill_", pools=(pool,))
     cfg_dir = Path(tempfile.mkdtemp(prefix="bench_local_prefill_cfg_"))
-    modes = settings(pool)
+    modes = settings(pool, args.compare)
     baseline = list(modes)[1]
     configs = {m: config_file(cfg_dir / f"{i}.yaml", pool, o) for i, (m, o) in enumerate(modes.items())}
     text = corpus()
@@ -148,11 +163,15 @@ def main() -> int:
         f"start (after 3 warm-up ones), {args.prompt_chars}-character prompts x {args.lone_tokens} new tokens. "
         f"Bursts: {args.waves} waves per start (after a warm-up wave) of {args.streams} concurrent streams x "
         f"{args.max_tokens} new tokens. Greedy, `ignore_eos`; client-side times; medians. `*_ratio`: to "
-        f"\"{baseline}\" (every prompt through prefill).",
+        f"\"{baseline}\".",
         "",
         f"Against \"{baseline}\": {said}. Whole run {time.monotonic() - t_start:.0f} s on the machine's 2 shared cores: "
         "compare the settings, not absolute figures.",
         "",
+        ("The gaps: an idle replica holds its first step while requests keep arriving, until none has arrived "
+         "for the gap (or the wait has passed, or the held requests fill a step); the frontend also takes the decode "
+         "gap as the most time between two requests of a burst it splits. A lone request through prefill waits out "
+         "the prefill gap, a lone short one local the decode gap. " if args.compare == "gather-gap" else "") +
         "A lone short prompt goes local (a lone longer one through prefill). Where the decode replicas gather "
         "(standard), a burst reaching the idle pool within their window is split: a prompt of up to one step of the "
         "decode replica (`max_num_batched_tokens`) goes local while the burst's local prompt tokens are no more than "
@@ -163,9 +182,11 @@ def main() -> int:
     ])
     cmd = " ".join([COMMAND, *sys.argv[1:]])
     kw = {"out_dir": args.out_dir} if args.out_dir else {}
-    name = f"local_prefill_{pool}" + ("" if args.prompt_chars == 100 else f"_{args.prompt_chars}")
-    paths = write_report(name, rows, title=f"{args.prompt_chars}-character prompts prefilled on the decode replica vs "
-                         f"through the prefill deployment ({args.model}, deltaserve up)", notes=notes, command=cmd, **kw)
+    name = f"{COMPARE[args.compare]}_{pool}" + ("" if args.prompt_chars == 100 else f"_{args.prompt_chars}")
+    title = (f"{args.prompt_chars}-character prompts prefilled on the decode replica vs through the prefill deployment "
+             f"({args.model}, deltaserve up)" if args.compare == "local" else
+             f"{args.prompt_chars}-character prompts, gather gaps of 10 vs 30 ms ({args.model}, deltaserve up)")
+    paths = write_report(name, rows, title=title, notes=notes, command=cmd, **kw)
     record = json.loads(paths["json"].read_text())
     record.update(lone=lone, waves=waves, ratios=ratios)
     paths["json"].write_text(json.dumps(record, indent=2, default=str) + "\n")

@@ -186,14 +186,15 @@ def _default_pools() -> dict[str, PoolConfig]:
         # standard: tokens in chunks of up to 100 ms (a quarter of its TPOT target) cut the per-chunk cost of the
         # decode -> ingress -> proxy -> client hops (benchmarks/results/serving.md, a); highspeed: 20 ms (a chunk per
         # token costs more CPU outside the engine than its small decode step).
-        # standard also gathers a burst of arrivals into one prefill step (up to 100 ms; a lone request waits 30 ms),
+        # standard also gathers a burst of arrivals into one prefill step (up to 100 ms, until none has arrived for 10 ms:
+        # the ingress hands a burst's requests on ~2 ms apart; benchmarks/results/gather_gap_standard.md),
         # and into one first decode step (the same window): the decode replica takes a burst in without decode steps
         # competing for its CPU and GIL (serving.md, a). A burst of prompts of up to 1,024 tokens is split between the
         # two by tokens: about half is prefilled by the decode replica itself, the rest by the prefill replica beside
         # it (deployments/gateway/local_prefill.py; benchmarks/results/local_prefill_standard{,_1000}.md).
         "standard": PoolConfig(max_num_seqs=32, max_num_batched_tokens=1024, ttft_slo_ms=4000, tpot_slo_ms=400,
-                               stream_interval_ms=100, prefill_gather_wait_ms=100, prefill_gather_gap_ms=30,
-                               decode_gather_wait_ms=100, decode_gather_gap_ms=30, local_prefill_tokens=256,
+                               stream_interval_ms=100, prefill_gather_wait_ms=100, prefill_gather_gap_ms=10,
+                               decode_gather_wait_ms=100, decode_gather_gap_ms=10, local_prefill_tokens=256,
                                price=PriceConfig(input=0.60, cached_input=0.15, output=2.50)),
         # highspeed: a short prompt with nothing else of the pool in flight goes straight to decode (a lone request's
         # end-to-end time, a small burst's TTFT: benchmarks/results/local_prefill_highspeed.md); its decode replicas do

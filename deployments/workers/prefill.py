@@ -27,6 +27,7 @@ from dataclasses import replace
 from typing import Any, AsyncIterator
 
 from deployments.engine import EngineBroken, EngineStepError, GenerationRequest
+from model.state import SequenceState
 
 from deployments.workers import handoff
 
@@ -51,14 +52,47 @@ class Prefill(EngineReplica):
         sends the first token on as soon as the small first item arrives, while the state is still on its way,
         and a streaming call is taken by the replica (Serve's acceptance) before its prefill runs, whereas a
         unary call over gRPC is acknowledged only with its reply (ServeBackend's queue bound)."""
-        result = await self.prefill(req)
-        if result.state is None:
+        result, state = await self._prefill(req)
+        if state is not None and self._handoff_via_cache(req):
+            result = await self._hand_off(req, result, state)  # the first item names the cache entry: stored first
+            state, result = result.state, replace(result, state=None)  # still a state: Redis did not take it
+        if state is None:
             yield result
             return
-        yield replace(result, state=None, state_follows=True)
-        yield result.state
+        yield replace(result, state_follows=True)
+        if isinstance(state, SequenceState):
+            # the first items of the other requests this step finished go out before this state is serialized
+            await asyncio.sleep(0)
+            state = self._direct_state(state)
+        yield state
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
+        """The prefill and its handoff in one reply (``state``: bytes, an object-store reference, or None with
+        ``handoff_key`` or when finished)."""
+        result, state = await self._prefill(req)
+        return result if state is None else await self._hand_off(req, result, state)
+
+    def _handoff_via_cache(self, req: PrefillRequest) -> bool:
+        return self.config.cache.handoff == "cache" and cache_key(self.cache, req) is not None
+
+    def _direct_state(self, state: SequenceState | bytes) -> Any:
+        """The state as the decode replica receives it directly: its bytes, or a reference to them in the object
+        store."""
+        data = state if isinstance(state, bytes) else state.to_bytes()
+        return handoff.put_state(data) if self.object_store_handoff else data
+
+    async def _hand_off(self, req: PrefillRequest, result: PrefillResult, state: SequenceState) -> PrefillResult:
+        """``result`` with ``state`` handed off: into the cache service (``handoff_key``) when the pool hands off
+        through it and Redis takes it, else directly (:meth:`_direct_state`)."""
+        data = state.to_bytes()
+        if self._handoff_via_cache(req):
+            if await asyncio.to_thread(self.cache.put_handoff, cache_key(self.cache, req), req.request_id, data):
+                return replace(result, handoff_key=req.request_id)
+        return replace(result, state=self._direct_state(data))
+
+    async def _prefill(self, req: PrefillRequest) -> tuple[PrefillResult, SequenceState | None]:
+        """Prefill ``req``: its result without the state, and the state to hand off (a SequenceState; None when
+        the request finished here)."""
         t0 = time.perf_counter()
         self.signals.arrived()
         known = list(req.prompt_ids) + list(req.replay_ids)
@@ -100,26 +134,18 @@ class Prefill(EngineReplica):
                 self.cache.record_tenant(req.tenant, lookups=1, prompt_tokens=len(req.prompt_ids))
             span.set_attribute("deltaserve.cached_tokens", cached)
             self.signals.ttft(time.perf_counter() - t0)
-            state = handoff_key = None
-            if not finished:
-                state = last.state.to_bytes()
-                if key is not None and self.config.cache.handoff == "cache":
-                    if await asyncio.to_thread(self.cache.put_handoff, key, req.request_id, state):
-                        state, handoff_key = None, req.request_id  # else (Redis unavailable): direct
-                if state is not None and self.object_store_handoff:
-                    state = handoff.put_state(state)
             return PrefillResult(
                 request_id=req.request_id,
                 first_token=first,
                 text=text,
                 finished=finished,
                 finish_reason=("stop" if stopped else "length") if finished else None,
-                state=state,
-                handoff_key=handoff_key,
+                state=None,
+                handoff_key=None,
                 prompt_tokens=len(req.prompt_ids),
                 cached_tokens=cached,
                 replica=self.replica,
                 prefill_s=time.perf_counter() - t0,
                 queue_s=None if last.first_step_at is None else max(0.0, last.first_step_at - t0),
                 first_logprob=logprobs[-1] if logprobs and first != -1 else None,
-            )
+            ), None if finished else last.state

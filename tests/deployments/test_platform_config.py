@@ -88,7 +88,7 @@ def test_gather_windows_per_replica_kind_and_checked():
     from deployments.config import PoolConfig
 
     std = PlatformConfig().pools["standard"]
-    assert std.gather_s("prefill") == (0.1, 0.03) and std.gather_s("decode") == (0.1, 0.03)
+    assert std.gather_s("prefill") == (0.1, 0.01) and std.gather_s("decode") == (0.1, 0.01)
     assert PlatformConfig().pools["highspeed"].gather_s("decode") == (0.0, 0.0)
     with pytest.raises(ValidationError, match=r"decode_gather_gap_ms \(20.0\) must be <= decode_gather_wait_ms \(5.0\)"):
         PoolConfig(decode_gather_wait_ms=5, decode_gather_gap_ms=20)

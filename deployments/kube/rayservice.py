@@ -99,12 +99,21 @@ class Overlay:
         return any(g.deployments for g in self.groups)
 
 
+PROXY_GATHER_GAP_MS = 30.0  # Serve's proxy spreads a burst's arrivals wider than HAProxy (docs/architecture.md)
+
+
 def kubernetes_config(config: PlatformConfig, **updates) -> PlatformConfig:
-    """``config`` as pods run it (see the module docstring); ``updates`` are further top-level fields."""
+    """``config`` as pods run it (see the module docstring); ``updates`` are further top-level fields. Pods serve
+    through Serve's proxy, so a pool that gathers bursts waits at least :data:`PROXY_GATHER_GAP_MS` for the next
+    arrival (within its wait)."""
     # front_end is a `deltaserve up` setting: pods serve through Serve's proxy (RAY_SERVE_ENABLE_DIRECT_INGRESS=0)
     k8s = {"host": "0.0.0.0", "tenants_file": f"{n.TENANTS_DIR}/tenants.yaml", "front_end": "proxy",
            "metrics": config.metrics.model_copy(update={"prometheus": False}),
-           "cache": config.cache.model_copy(update={"redis_url": None})}
+           "cache": config.cache.model_copy(update={"redis_url": None}),
+           "pools": {name: pc.model_copy(update={
+               f"{kind}_gather_gap_ms": min(max(getattr(pc, f"{kind}_gather_gap_ms"), PROXY_GATHER_GAP_MS),
+                                            getattr(pc, f"{kind}_gather_wait_ms"))
+               for kind in ("prefill", "decode")}) for name, pc in config.pools.items()}}
     return PlatformConfig.load({**config.model_dump(), **k8s, **updates})
 
 

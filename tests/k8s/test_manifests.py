@@ -203,9 +203,12 @@ def test_cpu_serve_config_is_what_deltaserve_up_deploys(objects):
     ours = ServeDeploySchema.model_validate(yaml.safe_load(rs["spec"]["serveConfigV2"]))
     up = serve_schema([("deltaserve", "/", cpu.config)])
     assert ours.applications[0].model_dump(warnings=False) == up.applications[0].model_dump(warnings=False)
+    # through Serve's proxy a gathering pool waits at least 30 ms for a burst's next arrival (docs/architecture.md)
+    pools = {name: {**pc.model_dump(), **({"prefill_gather_gap_ms": 30.0, "decode_gather_gap_ms": 30.0}
+                                          if pc.decode_gather_wait_ms else {})} for name, pc in CONFIG.pools.items()}
     assert cpu.config.model_dump() == {**CONFIG.model_dump(), "host": "0.0.0.0", "replica_num_cpus": 0.5,
                                        "tenants_file": f"{n.TENANTS_DIR}/tenants.yaml", "front_end": "proxy",
-                                       "metrics": {**CONFIG.metrics.model_dump(), "prometheus": False}}
+                                       "metrics": {**CONFIG.metrics.model_dump(), "prometheus": False}, "pools": pools}
 
 
 # -- what each overlay deploys ----------------------------------------------------------------------

@@ -143,19 +143,9 @@ class RedisStore:
         return self._call("STRLEN", run, None)
 
     def set_many(self, items: list[tuple[str, bytes]], ttl_s: int) -> bool:
-        """SET each key with a ``ttl_s`` second expiry; False if Redis is unavailable."""
+        """SET each key with a ``ttl_s`` second expiry (:meth:`write_many`); False if Redis is unavailable."""
         _check_ttl(ttl_s)
-        if not items:
-            return self._nothing_to_do(True, False)
-
-        def run(r: redis.Redis) -> bool:
-            pipe = r.pipeline(transaction=False)
-            for key, value in items:
-                pipe.set(key, value, ex=ttl_s)
-            pipe.execute()
-            return True
-
-        return self._call("SET", run, False)
+        return self.write_many([(key, value, ttl_s) for key, value in items], {})
 
     def get(self, key: str) -> bytes | None:
         """The value; None if missing or Redis is unavailable."""
@@ -179,7 +169,7 @@ class RedisStore:
             pipe.execute()
             return True
 
-        return self._call("SET", run, False)
+        return self._call("SET/HINCRBY", run, False)
 
     def set(self, key: str, value: bytes, ttl_s: int) -> bool:
         """SET with a ``ttl_s`` second expiry; False if Redis is unavailable."""
@@ -218,18 +208,8 @@ class RedisStore:
         return self._call("HGETALL", run, None)
 
     def incr_fields(self, key: str, fields: dict[str, int]) -> bool:
-        """HINCRBY each field (no expiry is set); False if Redis is unavailable."""
-        if not fields:
-            return self._nothing_to_do(True, False)
-
-        def run(r: redis.Redis) -> bool:
-            pipe = r.pipeline(transaction=False)
-            for name, amount in fields.items():
-                pipe.hincrby(key, name, int(amount))
-            pipe.execute()
-            return True
-
-        return self._call("HINCRBY", run, False)
+        """HINCRBY each field, no expiry set (:meth:`write_many`); False if Redis is unavailable."""
+        return self.write_many([], {key: fields} if fields else {})
 
     # -- keyspace and server -------------------------------------------------
     def scan(self, pattern: str, count: int = 1000) -> list[str] | None:

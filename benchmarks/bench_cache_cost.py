@@ -1,9 +1,11 @@
 """What the prefix / KDA-state cache costs a burst of short requests under `deltaserve up`.
 
-With the cache on (the default), every prefill replica looks up the longest cached prefix of each prompt, takes
-a KDA checkpoint at the prompt's last full block, and writes the prompt's MLA blocks and that checkpoint (about
-0.45 MB for k3-tiny) to its LRU and Redis; every decode replica snapshots the KDA state at block boundaries and
-writes the turn's last one when the stream ends. With ``--no-cache`` none of that runs. Both settings here have a
+With the cache on (the default), every prefill replica looks up the longest cached prefix of each prompt and
+writes the prompt's MLA blocks to its LRU and Redis; every decode replica snapshots the KDA state at block
+boundaries and writes the turn's last one (about 0.45 MB for k3-tiny) with the turn's blocks when the stream ends.
+A prompt of at least ``cache.prompt_checkpoint_min_tokens`` (256) also gets a KDA checkpoint at its own last full
+block; the third setting, "every prompt checkpointed", sets that threshold to 0, as the cache did before it had
+one. With ``--no-cache`` none of that runs. Both settings here have a
 Redis for the tenants' rate limits and the usage ledger (the cache's local redis-server in one, a redis-server
 this benchmark starts given as ``DELTASERVE_REDIS_URL`` in the other), so the cache is the only difference.
 
@@ -14,8 +16,9 @@ this benchmark starts given as ``DELTASERVE_REDIS_URL`` in the other), so the ca
 
 Before the platform starts, the same burst in this process on one ``Engine`` (the standard pool's token budget,
 one torch thread), prefill only, three ways in rotating order, ``--reps`` rounds after a warm-up round: with the
-replicas' ``CheckpointPlan`` and the prompt's KDA states taken inside its chunks (what the replicas run), with the
-plan and each prompt's chunks cut at its KDA checkpoint positions (what runs without the KDA layers' native
+replicas' ``CheckpointPlan`` with every prompt checkpointed and the prompt's KDA states taken inside its chunks
+(what the replicas run for a prompt with a checkpoint of its own), with the plan and each prompt's chunks cut at its
+KDA checkpoint positions (what runs without the KDA layers' native
 prefill), and without a plan. Per step: prompt tokens computed and requests finished (their first
 token), and when the median request finished.
 
@@ -44,7 +47,7 @@ from cache_service import LocalRedisServer, find_free_port  # noqa: E402
 from tests.deployments.up_process import deltaserve_up  # noqa: E402
 
 COMMAND = ".venv/bin/python benchmarks/bench_cache_cost.py"
-MODES = ("cache on", "cache off")
+MODES = ("cache on", "every prompt checkpointed", "cache off")
 
 
 ENGINE_MODES = ("plan, states inside the chunks", "plan, chunks cut at the checkpoints", "no plan")
@@ -66,7 +69,8 @@ def engine_bursts(args, text: str) -> dict[str, list[dict]]:
     config = PlatformConfig()
     std = config.pools["standard"]
     model, tok = load_model(config.model), load_tokenizer(config.model)
-    plan = CheckpointPlan(config.cache.block_size, config.cache.checkpoint_every)
+    # every prompt gets its own KDA checkpoint (the threshold at 0): the case where taking it inside the chunk matters
+    plan = CheckpointPlan(config.cache.block_size, config.cache.checkpoint_every, prompt_min_tokens=0)
     out: dict[str, list[dict]] = {m: [] for m in ENGINE_MODES}
     for rep in range(args.reps + 1):  # the first round warms up
         for mode in ENGINE_MODES[rep % 3:] + ENGINE_MODES[:rep % 3]:
@@ -91,7 +95,7 @@ def engine_bursts(args, text: str) -> dict[str, list[dict]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=2, help="starts of each setting, interleaved")
+    ap.add_argument("--reps", type=int, default=3, help="starts of each setting, interleaved")
     ap.add_argument("--waves", type=int, default=4, help="timed waves per start (after one warm-up wave)")
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--prompt-chars", type=int, default=100, help="prompt length (the byte tokenizer: ~1 token each)")
@@ -102,6 +106,8 @@ def main() -> int:
     tmp, key = bench_tenant("bench_cache_cost_")
     text = corpus()
     waves: dict[str, list[dict]] = {m: [] for m in MODES}
+    every_prompt = tmp / "every_prompt.json"
+    every_prompt.write_text(json.dumps({"cache": {"prompt_checkpoint_min_tokens": 0}}))
     t_start = time.monotonic()
     bursts = engine_bursts(args, text)
     for mode in ENGINE_MODES:
@@ -111,8 +117,10 @@ def main() -> int:
     limits_redis = LocalRedisServer(find_free_port()).start()  # the cache-off platform's Redis for limits and usage
     try:
         for rep in range(args.reps):
-            for mode in (MODES if rep % 2 == 0 else MODES[::-1]):
+            for mode in MODES[rep % 3:] + MODES[:rep % 3]:  # over three starts each setting runs first, second and last
                 flags, env = ([], {}) if mode == "cache on" else (["--no-cache"], {"DELTASERVE_REDIS_URL": limits_redis.url})
+                if mode == "every prompt checkpointed":
+                    flags = ["--config", str(every_prompt)]
                 with deltaserve_up(["--tenants", str(tmp / "tenants.yaml"), *flags], env=env) as up:
                     base = f"http://127.0.0.1:{up.http_port}"
                     for i in range(args.waves + 1):
@@ -143,12 +151,14 @@ def main() -> int:
     rows = [{"setting": m, "waves": len(waves[m]), "tokens_per_s": round(med(m, "tokens_per_s"), 1),
              "ttft_p50_s": round(med(m, "ttft_p50_s"), 3), "ttft_max_s": round(med(m, "ttft_max_s"), 3),
              "cpu_s_per_wave": round(med_cpu(m), 3)} for m in MODES]
-    on, off = rows
-    ratios = {"tokens_per_s": on["tokens_per_s"] / off["tokens_per_s"], "ttft_p50_s": on["ttft_p50_s"] / off["ttft_p50_s"],
-              "cpu_s_per_wave": on["cpu_s_per_wave"] / off["cpu_s_per_wave"]}
+    on, every, off = rows
+    keys = ("tokens_per_s", "ttft_p50_s", "cpu_s_per_wave")
+    ratios = {k: on[k] / off[k] for k in keys}
+    ratios.update({f"every_prompt_{k}": every[k] / off[k] for k in keys})
+    ratios.update({f"threshold_{k}": on[k] / every[k] for k in keys})
     components = sorted({c for m in MODES for x in waves[m] for c in x["cpu_s"]}, key=lambda c: -med_cpu(MODES[0], c))
-    cpu_table = "\n".join(f"| {c} | {1e3 * med_cpu(MODES[0], c):.0f} | {1e3 * med_cpu(MODES[1], c):.0f} |"
-                          for c in components if max(med_cpu(MODES[0], c), med_cpu(MODES[1], c)) >= 0.005)
+    cpu_table = "\n".join("| " + " | ".join([c, *(f"{1e3 * med_cpu(m, c):.0f}" for m in MODES)]) + " |"
+                          for c in components if max(med_cpu(m, c) for m in MODES) >= 0.005)
     tokens = args.streams * args.max_tokens
     engine_med = {m: statistics.median(b["median_finish_s"] for b in bursts[m]) for m in ENGINE_MODES}
     ratios["engine_inside_vs_no_plan"] = engine_med[ENGINE_MODES[0]] / engine_med[ENGINE_MODES[2]]
@@ -163,13 +173,20 @@ def main() -> int:
         f"`deltaserve up` on its defaults (k3-tiny), {args.reps} starts of each setting interleaved, {args.waves} timed "
         f"waves per start after a warm-up wave; each wave {args.streams} concurrent streams of {args.prompt_chars}-"
         f"character prompts x {args.max_tokens} new tokens, greedy, `ignore_eos`; medians over the waves. Cache off: "
-        "`--no-cache` with `DELTASERVE_REDIS_URL` set, so rate limits and the usage ledger use Redis in both settings.",
+        "`--no-cache` with `DELTASERVE_REDIS_URL` set, so rate limits and the usage ledger use Redis in every setting. "
+        "Every prompt checkpointed: `--config` with `cache.prompt_checkpoint_min_tokens` 0 (the default, 256, gives "
+        "these prompts no checkpoint of their own; each turn's end gets one in both).",
         "",
         f"Cache on / off: tokens/s **{ratios['tokens_per_s']:.2f}x**, TTFT p50 **{ratios['ttft_p50_s']:.2f}x**, CPU per "
-        f"wave **{ratios['cpu_s_per_wave']:.2f}x** ({tokens} output tokens per wave). Whole run "
+        f"wave **{ratios['cpu_s_per_wave']:.2f}x**; with every prompt checkpointed / off: "
+        f"{ratios['every_prompt_tokens_per_s']:.2f}x, {ratios['every_prompt_ttft_p50_s']:.2f}x, "
+        f"{ratios['every_prompt_cpu_s_per_wave']:.2f}x; the threshold (on / every prompt checkpointed): tokens/s "
+        f"**{ratios['threshold_tokens_per_s']:.2f}x**, TTFT p50 **{ratios['threshold_ttft_p50_s']:.2f}x**, CPU per wave "
+        f"**{ratios['threshold_cpu_s_per_wave']:.2f}x** ({tokens} output tokens per wave). Whole run "
         f"{time.monotonic() - t_start:.0f} s on the machine's 2 shared cores: compare the settings, not absolute figures.",
         "",
-        f"In process, one Engine, the same burst (prefill only): the median request has its first token after "
+        f"In process, one Engine, the same burst (prefill only), every prompt checkpointed: the median request has "
+        f"its first token after "
         f"{engine_med[ENGINE_MODES[0]]:.3f} s with the plan and the prompt's KDA states taken inside its chunks, "
         f"{engine_med[ENGINE_MODES[1]]:.3f} s with its chunks cut at the checkpoint positions and "
         f"{engine_med[ENGINE_MODES[2]]:.3f} s without a plan (**{ratios['engine_inside_vs_no_plan']:.2f}x** and "
@@ -185,8 +202,8 @@ def main() -> int:
         "",
         "CPU ms per wave by component (median over the waves):",
         "",
-        "| component | cache on | cache off |",
-        "|---|---|---|",
+        "| component | " + " | ".join(MODES) + " |",
+        "|---|---|---|---|",
         cpu_table,
     ])
     cmd = " ".join([COMMAND, *sys.argv[1:]])
@@ -199,8 +216,11 @@ def main() -> int:
     record["engine_bursts"] = bursts
     paths["json"].write_text(json.dumps(record, indent=2, default=str) + "\n")
     print(json.dumps(rows, indent=1))
-    print(f"cache on / off: tokens/s {ratios['tokens_per_s']:.2f}x, TTFT p50 {ratios['ttft_p50_s']:.2f}x, "
-          f"CPU per wave {ratios['cpu_s_per_wave']:.2f}x\nReproduce: {cmd}")
+    for label, prefix in (("cache on / off", ""), ("every prompt checkpointed / off", "every_prompt_"),
+                          ("cache on / every prompt checkpointed", "threshold_")):
+        print(f"{label}: tokens/s {ratios[prefix + 'tokens_per_s']:.2f}x, TTFT p50 {ratios[prefix + 'ttft_p50_s']:.2f}x, "
+              f"CPU per wave {ratios[prefix + 'cpu_s_per_wave']:.2f}x")
+    print(f"Reproduce: {cmd}")
     return 0
 
 

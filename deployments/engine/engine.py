@@ -410,8 +410,7 @@ class Engine:
         seq.step_snap_positions = ()
         if seq.num_computed == full and full > seq.kda_checkpointed:
             kda, conv = self.runner.pool.kda_snapshot(seq.slot)
-            prefilling = full <= seq.num_known_at_start  # chunks were cut to end here
-            if not prefilling and full % plan.interval:
+            if not seq.is_kda_position(full):
                 seq.held_kda, kda, conv = (full, kda, conv), None, None  # reported if the turn ends before the next one
             else:
                 seq.held_kda, seq.kda_checkpointed = None, full
@@ -423,7 +422,7 @@ class Engine:
 
     def _finish(self, seq: Sequence) -> RequestOutput:
         """Release a sequence whose finish_reason is set; its final output."""
-        if seq.held_kda is not None and seq.held_kda[0] > seq.kda_checkpointed:  # the last full block of the turn
+        if seq.held_kda is not None and seq.held_kda[0] > seq.kda_checkpointed and not seq.handed_on:  # the turn's last full block
             position, kda, conv = seq.held_kda
             seq.pending_checkpoints.append(Checkpoint(position, position, [], [], kda, conv))
             seq.kda_checkpointed, seq.held_kda = position, None

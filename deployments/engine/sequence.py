@@ -63,9 +63,13 @@ class CheckpointPlan:
     MLA latents are cut into blocks of ``block_size`` tokens as they are computed. A KDA
     state is only valid at an exact position, so it is snapshotted at block boundaries:
     every ``every_blocks`` blocks, at the last full block of the tokens known when the
-    request starts (its prompt), at the blocks ending before each ``extra`` position, and,
-    while decoding, at every boundary, the latest held back and reported when the sequence
-    finishes (the last full block of the turn). Prefill chunks are cut so they end on those
+    request starts (its prompt) when that is at least ``prompt_min_tokens`` tokens, at the blocks
+    ending before each ``extra`` position, and, while decoding, at every boundary, the latest held
+    back and reported when the sequence finishes (the last full block of the turn; not where the
+    stream is handed on to another engine, whose own turn end supersedes it). A shorter prompt's
+    state is not written on its own: computing that prompt again costs less than writing and
+    reading its state, and the turn's end, which a next turn resumes from, is still checkpointed.
+    Prefill chunks are cut so they end on those
     positions, unless the runner takes KDA states inside a chunk (``ModelRunner.snapshots_in_step``):
     then chunks run on across them (a prompt is cut only by the token budget) and the states there
     are copied out in the step.
@@ -74,12 +78,15 @@ class CheckpointPlan:
     block_size: int = 32
     every_blocks: int = 8
     extra: tuple[int, ...] = ()  # more positions to checkpoint at (rounded down to a block), e.g. the end of a shared system prompt
+    prompt_min_tokens: int = 0  # the prompt's last full block is a KDA checkpoint position from this many tokens on
 
     def __post_init__(self) -> None:
         for name in ("block_size", "every_blocks"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.prompt_min_tokens, int) or isinstance(self.prompt_min_tokens, bool) or self.prompt_min_tokens < 0:
+            raise ValueError(f"prompt_min_tokens must be a non-negative integer, got {self.prompt_min_tokens!r}")
         if any(not isinstance(p, int) or p < 0 for p in self.extra):
             raise ValueError(f"extra checkpoint positions must be non-negative integers, got {self.extra!r}")
 
@@ -355,6 +362,22 @@ class Sequence:
         assert plan is not None
         return self.num_known_at_start // plan.block_size * plan.block_size
 
+    @property
+    def prompt_checkpoint(self) -> int:
+        """Where the prompt's own KDA checkpoint goes: :attr:`prompt_block_end`, or 0 (none) when that is shorter
+        than the plan's ``prompt_min_tokens``."""
+        end = self.prompt_block_end
+        return end if end >= self.checkpoint_plan.prompt_min_tokens else 0
+
+    def is_kda_position(self, position: int) -> bool:
+        """Whether the plan writes the KDA state at ``position`` (a block boundary) when a step ends there: its
+        interval, a named position, or the prompt's checkpoint. The state at any other boundary is only held, as the
+        turn's last one."""
+        plan = self.checkpoint_plan
+        assert plan is not None
+        return position > 0 and (position % plan.interval == 0 or position == self.prompt_checkpoint
+                                 or position in {e // plan.block_size * plan.block_size for e in plan.extra})
+
     def tokens_to_boundary(self) -> int:
         """Most tokens the next chunk may compute without crossing a KDA checkpoint position (the checkpoint plan's
         interval, the positions it names, or the last full block of the tokens known at start); no limit with
@@ -365,7 +388,7 @@ class Sequence:
         p = self.num_computed
         nxt = (p // plan.interval + 1) * plan.interval
         last_full = self.prompt_block_end
-        for stop in [e // plan.block_size * plan.block_size for e in plan.extra] + [last_full]:
+        for stop in [e // plan.block_size * plan.block_size for e in plan.extra] + [self.prompt_checkpoint]:
             if p < stop <= last_full:
                 nxt = min(nxt, stop)
         return max(1, nxt - p)
@@ -384,7 +407,7 @@ class Sequence:
             return ()
         stops = set(range((lo // plan.interval + 1) * plan.interval, end + 1, plan.interval))
         stops.update(e // plan.block_size * plan.block_size for e in plan.extra)
-        stops.add(last_full)
+        stops.add(self.prompt_checkpoint)
         return tuple(q - p for q in sorted(stops) if lo < q <= end)
 
     @property
@@ -478,12 +501,16 @@ class Sequence:
         self._text_len = cut
         self._stop(FinishReason.STOP)
 
+    @property
+    def handed_on(self) -> bool:
+        """The sequence reached max_tokens here and the stream goes on on another engine (``continues``)."""
+        return self.continues and self.finish_reason is FinishReason.LENGTH
+
     def take_output(self, state: SequenceState | None = None) -> RequestOutput:
         """The tokens and text not reported yet (all of the text once a finish_reason is set,
         except where max_tokens hands the stream on: see ``continues``)."""
         done = self.finish_reason is not None
-        handed_on = self.continues and self.finish_reason is FinishReason.LENGTH
-        end = self._text_len if done and not handed_on else self._text_len - self._stops.held_back
+        end = self._text_len if done and not self.handed_on else self._text_len - self._stops.held_back
         new_text, self._unreported = self._unreported[: end - self._emitted_chars], self._unreported[end - self._emitted_chars :]
         if new_text:
             self._reported.append(new_text)

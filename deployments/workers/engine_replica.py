@@ -47,7 +47,8 @@ class EngineReplica:
         self.async_engine = AsyncEngine(self.engine, gather_wait_s=wait, gather_gap_s=gap, step_nice=nice)
         self.replica = replica_id()
         self.cache = make_cache(config, model.config)
-        self.plan = CheckpointPlan(config.cache.block_size, config.cache.checkpoint_every)
+        self.plan = CheckpointPlan(config.cache.block_size, config.cache.checkpoint_every,
+                                   prompt_min_tokens=config.cache.prompt_checkpoint_min_tokens)
         metrics.set_enabled(config.metrics.enabled)
         self.metrics = ReplicaMetrics(self.engine, self.cache, pool=pool, kind=kind, expert_pool=self.expert_pool,
                                       interval_s=min(1.0, config.metrics.scrape_interval_s))

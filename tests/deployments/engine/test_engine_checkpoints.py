@@ -197,3 +197,35 @@ def test_the_prompt_s_checkpoint_taken_inside_its_chunk_equals_a_chunk_cut_there
     for a, b in zip(got, want):  # to float rounding: the projections see the tokens in other batches
         for x, y in zip([*a.mla, *(a.kda or []), *(a.conv or [])], [*b.mla, *(b.kda or []), *(b.conv or [])]):
             assert x.shape == y.shape and rel_rms(x, y) < 1e-5
+
+
+@pytest.mark.parametrize("in_step", [True, False], ids=["states-in-step", "chunks-cut"])
+def test_a_prompt_below_prompt_min_tokens_gets_no_checkpoint_of_its_own_but_the_turn_s_end_does(model, tok, in_step,
+                                                                                               monkeypatch):
+    """``prompt_min_tokens``: a short prompt's last full block is no KDA checkpoint position (nor a chunk cut); the
+    turn's last full block still is, and a prompt at the threshold keeps its own. A prefill whose stream is handed on
+    (``continues``) writes no held state: the engine that continues the turn checkpoints its end."""
+    if in_step and not ModelRunner(model, 1).snapshots_in_step:
+        pytest.skip("the KDA layers' native prefill is not available here")
+    monkeypatch.setattr(ModelRunner, "snapshots_in_step", property(lambda self: in_step))
+    plan = CheckpointPlan(block_size=8, every_blocks=100, prompt_min_tokens=40)
+
+    def kda_positions(prompt_len: int, max_tokens: int, **kw) -> tuple[list[int], list[int]]:
+        engine = engine_for(model, tok)
+        chunks: list[int] = []
+        step = engine.runner.step
+        engine.runner.step = lambda slots, cs, **k: (chunks.extend(len(c) for c in cs), step(slots, cs, **k))[1]
+        outs = run_one(engine, GenerationRequest("m", ids(prompt_len, 11), max_tokens, ignore_eos=True),
+                       checkpoint_plan=plan, **kw)
+        cps = [c for o in outs for c in o.checkpoints]
+        covered = [(c.block_start, c.position) for c in cps if c.position > c.block_start]
+        assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])) and covered[0][0] == 0  # every block, once
+        return [c.position for c in cps if c.kda is not None], chunks
+
+    positions, chunks = kda_positions(37, 20)  # last full block 32 < 40; the turn computes 56 tokens
+    assert positions == [56] and chunks[0] == 37  # the prompt is one chunk either way: nothing to cut at 32
+    assert kda_positions(45, 12)[0] == [40, 56]  # last full block 40: the prompt's own checkpoint, and the turn's end
+    assert kda_positions(32, 1)[0] == [32]  # the turn ends at the prompt's end: that is the turn's checkpoint
+    assert kda_positions(32, 1, keep_state_on_finish=True, continues=True)[0] == []  # handed on: the decode side's
+    with pytest.raises(ValueError, match="prompt_min_tokens must be a non-negative integer, got -1"):
+        CheckpointPlan(prompt_min_tokens=-1)

@@ -5,14 +5,15 @@ writes the prompt's MLA blocks to its LRU and Redis; every decode replica snapsh
 boundaries and writes the turn's last one (about 0.45 MB for k3-tiny) with the turn's blocks when the stream ends.
 A prompt of at least ``cache.prompt_checkpoint_min_tokens`` (256) also gets a KDA checkpoint at its own last full
 block; the third setting, "every prompt checkpointed", sets that threshold to 0, as the cache did before it had
-one. With ``--no-cache`` none of that runs. Both settings here have a
-Redis for the tenants' rate limits and the usage ledger (the cache's local redis-server in one, a redis-server
-this benchmark starts given as ``DELTASERVE_REDIS_URL`` in the other), so the cache is the only difference.
+one. With ``--no-cache`` none of that runs. Every setting is given one redis-server this benchmark starts
+(``DELTASERVE_REDIS_URL``): the cache's and the tenants' rate limits and usage ledger, which the cache-off platform
+keeps there too, so the cache is the only difference, and the bytes Redis receives per wave are counted.
 
-`deltaserve up` is started alternately each way, ``--reps`` starts of each; per start a warm-up wave, then
+`deltaserve up` is started in rotating order, ``--reps`` starts of each; per start a warm-up wave, then
 ``--waves`` waves of 16 concurrent streaming requests of 100-token prompts x 64 new tokens, greedy,
-``ignore_eos``. Per wave: output tokens/s, TTFT p50 and the CPU seconds of every process under `deltaserve up`
-(and of this client) by component; medians over the waves of each setting.
+``ignore_eos``. Per wave: output tokens/s, TTFT p50, the bytes Redis received (``total_net_input_bytes``) and the CPU
+seconds of every process under `deltaserve up` and Redis (and of this client) by component; medians over the waves of
+each setting.
 
 Before the platform starts, the same burst in this process on one ``Engine`` (the standard pool's token budget,
 one torch thread), prefill only, three ways in rotating order, ``--reps`` rounds after a warm-up round: with the
@@ -35,6 +36,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+import redis
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -114,11 +117,17 @@ def main() -> int:
         for b in bursts[mode]:
             print(f"engine, {mode}: steps (prompt tokens, finished) {[(x['prompt_tokens'], x['finished']) for x in b['steps']]}, "
                   f"median request finished at {b['median_finish_s']:.3f} s", flush=True)
-    limits_redis = LocalRedisServer(find_free_port()).start()  # the cache-off platform's Redis for limits and usage
+    limits_redis = LocalRedisServer(find_free_port()).start()  # every setting's Redis (module docstring)
+    redis_client = redis.Redis.from_url(limits_redis.url)
+
+    def redis_in() -> int:
+        return int(redis_client.info("stats")["total_net_input_bytes"])
+
     try:
         for rep in range(args.reps):
             for mode in MODES[rep % 3:] + MODES[:rep % 3]:  # over three starts each setting runs first, second and last
-                flags, env = ([], {}) if mode == "cache on" else (["--no-cache"], {"DELTASERVE_REDIS_URL": limits_redis.url})
+                env = {"DELTASERVE_REDIS_URL": limits_redis.url}
+                flags = [] if mode == "cache on" else ["--no-cache"]
                 if mode == "every prompt checkpointed":
                     flags = ["--config", str(every_prompt)]
                 with deltaserve_up(["--tenants", str(tmp / "tenants.yaml"), *flags], env=env) as up:
@@ -126,18 +135,19 @@ def main() -> int:
                     for i in range(args.waves + 1):
                         texts = burst_texts(text, f"{mode} {rep} {i}", i * 131 + rep * 17, args.streams,
                                             args.prompt_chars)
-                        c0 = cpu_by_component()
+                        c0, r0 = cpu_by_component(), redis_in()
                         w = http_wave(base, key, "k3-tiny", texts, args.max_tokens)
                         time.sleep(0.5)  # the replicas' background work of the wave (cache writes) ends
                         cpu = cpu_delta(c0, cpu_by_component())
+                        redis_mb = (redis_in() - r0) / 1e6
                         assert w["completion_tokens"] == [args.max_tokens] * args.streams, w["completion_tokens"]
                         if i == 0:
                             continue  # warm-up
                         waves[mode].append({"rep": rep, "wave": i, "tokens_per_s": w["tokens_per_s"],
                                             "ttft_p50_s": statistics.median(w["ttft"]), "ttft_max_s": max(w["ttft"]),
-                                            "cpu_s": cpu})
+                                            "cpu_s": cpu, "redis_mb_in": redis_mb})
                         print(f"{mode} start {rep} wave {i}: {w['tokens_per_s']:.0f} tokens/s, TTFT p50 "
-                              f"{statistics.median(w['ttft']):.3f} s, CPU {sum(cpu.values()):.2f} s", flush=True)
+                              f"{statistics.median(w['ttft']):.3f} s, CPU {sum(cpu.values()):.2f} s, Redis in {redis_mb:.1f} MB", flush=True)
     finally:
         limits_redis.stop()
 
@@ -150,7 +160,8 @@ def main() -> int:
 
     rows = [{"setting": m, "waves": len(waves[m]), "tokens_per_s": round(med(m, "tokens_per_s"), 1),
              "ttft_p50_s": round(med(m, "ttft_p50_s"), 3), "ttft_max_s": round(med(m, "ttft_max_s"), 3),
-             "cpu_s_per_wave": round(med_cpu(m), 3)} for m in MODES]
+             "cpu_s_per_wave": round(med_cpu(m), 3), "redis_mb_in_per_wave": round(med(m, "redis_mb_in"), 2)}
+            for m in MODES]
     on, every, off = rows
     keys = ("tokens_per_s", "ttft_p50_s", "cpu_s_per_wave")
     ratios = {k: on[k] / off[k] for k in keys}
@@ -172,8 +183,9 @@ def main() -> int:
     notes = "\n".join([
         f"`deltaserve up` on its defaults (k3-tiny), {args.reps} starts of each setting interleaved, {args.waves} timed "
         f"waves per start after a warm-up wave; each wave {args.streams} concurrent streams of {args.prompt_chars}-"
-        f"character prompts x {args.max_tokens} new tokens, greedy, `ignore_eos`; medians over the waves. Cache off: "
-        "`--no-cache` with `DELTASERVE_REDIS_URL` set, so rate limits and the usage ledger use Redis in every setting. "
+        f"character prompts x {args.max_tokens} new tokens, greedy, `ignore_eos`; medians over the waves. Every setting "
+        "runs with `DELTASERVE_REDIS_URL` set to one redis-server this benchmark started (cache off: `--no-cache`, so "
+        "only rate limits and the usage ledger use it); `redis_mb_in_per_wave`: the bytes it received per wave. "
         "Every prompt checkpointed: `--config` with `cache.prompt_checkpoint_min_tokens` 0 (the default, 256, gives "
         "these prompts no checkpoint of their own; each turn's end gets one in both).",
         "",

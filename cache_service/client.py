@@ -19,7 +19,9 @@ every job queued when it wakes and sends their entries and counters in one Redis
 (a burst of streams reaching a block boundary in the same step is one pipeline, not one per
 stream). A recorder holds a sequence's MLA blocks until its next KDA checkpoint: a lookup
 resumes only at a KDA checkpoint and reads the blocks before it, so a block written sooner
-serves nobody, and a stream that ends without one (aborted) writes none. When Redis is
+serves nobody, and a stream that ends without one (aborted) writes none; a prefill replica's
+sequence handed on to decode writes its blocks when it hands on (``Recorder.hand_on``): the decode
+replica cuts the turn's later blocks and checkpoints on top of them. When Redis is
 down the store's circuit breaker answers "unavailable" at once: lookups miss, writes land
 in the LRU only; nothing raises.
 """
@@ -420,8 +422,18 @@ class Recorder:
         without a KDA state wait for the next checkpoint that has one (see the module docstring)."""
         self._held.extend(checkpoints)
         if any(cp.kda is not None for cp in checkpoints):
-            held, self._held = self._held, []
-            self.cache._submit(lambda: self._write(held))
+            self._write_held()
+
+    def hand_on(self) -> None:
+        """The sequence goes on on another replica (prefill → decode), which cuts the rest of the turn's blocks from
+        where these end and writes its own KDA checkpoint: write the blocks held here now, without one (that replica's
+        checkpoint is resumable only with them)."""
+        if self._held:
+            self._write_held()
+
+    def _write_held(self) -> None:
+        held, self._held = self._held, []
+        self.cache._submit(lambda: self._write(held))
 
     def _write(self, checkpoints: list[CheckpointLike]) -> None:
         cache, bs, tenant = self.cache, self.cache.settings.block_size, self.key.tenant

@@ -129,6 +129,8 @@ class Prefill(EngineReplica):
             stopped = last.finish_reason is not None and last.finish_reason.value == "stop"
             first = last.new_token_ids[-1] if last.new_token_ids else -1  # -1: stopped by a stop token
             finished = stopped or len(req.replay_ids) + 1 >= req.max_tokens
+            if recorder is not None and not finished:
+                recorder.hand_on()  # the decode replica's checkpoints need the blocks cut here
             cached = last.num_cached_tokens
             if key is not None:
                 self.cache.record_tenant(req.tenant, lookups=1, prompt_tokens=len(req.prompt_ids))

@@ -3,11 +3,11 @@
 With the cache on (the default), every prefill replica looks up the longest cached prefix of each prompt and
 writes the prompt's MLA blocks to its LRU and Redis; every decode replica snapshots the KDA state at block
 boundaries and writes the turn's last one (about 0.45 MB for k3-tiny) with the turn's blocks when the stream ends.
-A prompt of at least ``cache.prompt_checkpoint_min_tokens`` (256) also gets a KDA checkpoint at its own last full
-block; the third setting, "every prompt checkpointed", sets that threshold to 0, as the cache did before it had
-one. With ``--no-cache`` none of that runs. Every setting is given one redis-server this benchmark starts
-(``DELTASERVE_REDIS_URL``): the cache's and the tenants' rate limits and usage ledger, which the cache-off platform
-keeps there too, so the cache is the only difference, and the bytes Redis receives per wave are counted.
+Every prompt also gets a KDA checkpoint at its own last full block (``cache.prompt_checkpoint_min_tokens`` 0, the
+default); the second setting, "prompt checkpoints from 256 tokens", sets that threshold to 256, so these prompts get
+none of their own. With ``--no-cache`` none of that runs. Every setting is given one redis-server this benchmark
+starts (``DELTASERVE_REDIS_URL``): the cache's and the tenants' rate limits and usage ledger, which the cache-off
+platform keeps there too, so the cache is the only difference, and the bytes Redis receives per wave are counted.
 
 `deltaserve up` is started in rotating order, ``--reps`` starts of each; per start a warm-up wave, then
 ``--waves`` waves of 16 concurrent streaming requests of 100-token prompts x 64 new tokens, greedy,
@@ -17,11 +17,10 @@ each setting.
 
 Before the platform starts, the same burst in this process on one ``Engine`` (the standard pool's token budget,
 one torch thread), prefill only, three ways in rotating order, ``--reps`` rounds after a warm-up round: with the
-replicas' ``CheckpointPlan`` with every prompt checkpointed and the prompt's KDA states taken inside its chunks
-(what the replicas run for a prompt with a checkpoint of its own), with the plan and each prompt's chunks cut at its
-KDA checkpoint positions (what runs without the KDA layers' native
-prefill), and without a plan. Per step: prompt tokens computed and requests finished (their first
-token), and when the median request finished.
+replicas' ``CheckpointPlan`` and the prompt's KDA states taken inside its chunks (what the replicas run), with the
+plan and each prompt's chunks cut at its KDA checkpoint positions (what runs without the KDA layers' native
+prefill), and without a plan. Per step: prompt tokens computed and requests finished (their first token), and when
+the median request finished.
 
 Writes ``benchmarks/results/cache_cost.{json,md}``.
 
@@ -50,7 +49,7 @@ from cache_service import LocalRedisServer, find_free_port  # noqa: E402
 from tests.deployments.up_process import deltaserve_up  # noqa: E402
 
 COMMAND = ".venv/bin/python benchmarks/bench_cache_cost.py"
-MODES = ("cache on", "every prompt checkpointed", "cache off")
+MODES = ("cache on", "prompt checkpoints from 256 tokens", "cache off")
 
 
 ENGINE_MODES = ("plan, states inside the chunks", "plan, chunks cut at the checkpoints", "no plan")
@@ -72,8 +71,8 @@ def engine_bursts(args, text: str) -> dict[str, list[dict]]:
     config = PlatformConfig()
     std = config.pools["standard"]
     model, tok = load_model(config.model), load_tokenizer(config.model)
-    # every prompt gets its own KDA checkpoint (the threshold at 0): the case where taking it inside the chunk matters
-    plan = CheckpointPlan(config.cache.block_size, config.cache.checkpoint_every, prompt_min_tokens=0)
+    plan = CheckpointPlan(config.cache.block_size, config.cache.checkpoint_every,
+                          prompt_min_tokens=config.cache.prompt_checkpoint_min_tokens)
     out: dict[str, list[dict]] = {m: [] for m in ENGINE_MODES}
     for rep in range(args.reps + 1):  # the first round warms up
         for mode in ENGINE_MODES[rep % 3:] + ENGINE_MODES[:rep % 3]:
@@ -109,8 +108,8 @@ def main() -> int:
     tmp, key = bench_tenant("bench_cache_cost_")
     text = corpus()
     waves: dict[str, list[dict]] = {m: [] for m in MODES}
-    every_prompt = tmp / "every_prompt.json"
-    every_prompt.write_text(json.dumps({"cache": {"prompt_checkpoint_min_tokens": 0}}))
+    threshold = tmp / "threshold.json"
+    threshold.write_text(json.dumps({"cache": {"prompt_checkpoint_min_tokens": 256}}))
     t_start = time.monotonic()
     bursts = engine_bursts(args, text)
     for mode in ENGINE_MODES:
@@ -128,8 +127,8 @@ def main() -> int:
             for mode in MODES[rep % 3:] + MODES[:rep % 3]:  # over three starts each setting runs first, second and last
                 env = {"DELTASERVE_REDIS_URL": limits_redis.url}
                 flags = [] if mode == "cache on" else ["--no-cache"]
-                if mode == "every prompt checkpointed":
-                    flags = ["--config", str(every_prompt)]
+                if mode == MODES[1]:
+                    flags = ["--config", str(threshold)]
                 with deltaserve_up(["--tenants", str(tmp / "tenants.yaml"), *flags], env=env) as up:
                     base = f"http://127.0.0.1:{up.http_port}"
                     for i in range(args.waves + 1):
@@ -162,11 +161,10 @@ def main() -> int:
              "ttft_p50_s": round(med(m, "ttft_p50_s"), 3), "ttft_max_s": round(med(m, "ttft_max_s"), 3),
              "cpu_s_per_wave": round(med_cpu(m), 3), "redis_mb_in_per_wave": round(med(m, "redis_mb_in"), 2)}
             for m in MODES]
-    on, every, off = rows
+    on, short, off = rows
     keys = ("tokens_per_s", "ttft_p50_s", "cpu_s_per_wave")
     ratios = {k: on[k] / off[k] for k in keys}
-    ratios.update({f"every_prompt_{k}": every[k] / off[k] for k in keys})
-    ratios.update({f"threshold_{k}": on[k] / every[k] for k in keys})
+    ratios.update({f"threshold_{k}": short[k] / on[k] for k in keys})
     components = sorted({c for m in MODES for x in waves[m] for c in x["cpu_s"]}, key=lambda c: -med_cpu(MODES[0], c))
     cpu_table = "\n".join("| " + " | ".join([c, *(f"{1e3 * med_cpu(m, c):.0f}" for m in MODES)]) + " |"
                           for c in components if max(med_cpu(m, c) for m in MODES) >= 0.005)
@@ -186,18 +184,16 @@ def main() -> int:
         f"character prompts x {args.max_tokens} new tokens, greedy, `ignore_eos`; medians over the waves. Every setting "
         "runs with `DELTASERVE_REDIS_URL` set to one redis-server this benchmark started (cache off: `--no-cache`, so "
         "only rate limits and the usage ledger use it); `redis_mb_in_per_wave`: the bytes it received per wave. "
-        "Every prompt checkpointed: `--config` with `cache.prompt_checkpoint_min_tokens` 0 (the default, 256, gives "
-        "these prompts no checkpoint of their own; each turn's end gets one in both).",
+        "Prompt checkpoints from 256 tokens: `--config` with `cache.prompt_checkpoint_min_tokens` 256 (the default, 0, "
+        "gives every prompt a checkpoint of its own; each turn's end gets one in both).",
         "",
         f"Cache on / off: tokens/s **{ratios['tokens_per_s']:.2f}x**, TTFT p50 **{ratios['ttft_p50_s']:.2f}x**, CPU per "
-        f"wave **{ratios['cpu_s_per_wave']:.2f}x**; with every prompt checkpointed / off: "
-        f"{ratios['every_prompt_tokens_per_s']:.2f}x, {ratios['every_prompt_ttft_p50_s']:.2f}x, "
-        f"{ratios['every_prompt_cpu_s_per_wave']:.2f}x; the threshold (on / every prompt checkpointed): tokens/s "
+        f"wave **{ratios['cpu_s_per_wave']:.2f}x**; prompt checkpoints from 256 tokens / cache on: tokens/s "
         f"**{ratios['threshold_tokens_per_s']:.2f}x**, TTFT p50 **{ratios['threshold_ttft_p50_s']:.2f}x**, CPU per wave "
         f"**{ratios['threshold_cpu_s_per_wave']:.2f}x** ({tokens} output tokens per wave). Whole run "
         f"{time.monotonic() - t_start:.0f} s on the machine's 2 shared cores: compare the settings, not absolute figures.",
         "",
-        f"In process, one Engine, the same burst (prefill only), every prompt checkpointed: the median request has "
+        f"In process, one Engine, the same burst (prefill only), the replicas' plan: the median request has "
         f"its first token after "
         f"{engine_med[ENGINE_MODES[0]]:.3f} s with the plan and the prompt's KDA states taken inside its chunks, "
         f"{engine_med[ENGINE_MODES[1]]:.3f} s with its chunks cut at the checkpoint positions and "
@@ -228,8 +224,7 @@ def main() -> int:
     record["engine_bursts"] = bursts
     paths["json"].write_text(json.dumps(record, indent=2, default=str) + "\n")
     print(json.dumps(rows, indent=1))
-    for label, prefix in (("cache on / off", ""), ("every prompt checkpointed / off", "every_prompt_"),
-                          ("cache on / every prompt checkpointed", "threshold_")):
+    for label, prefix in (("cache on / off", ""), ("prompt checkpoints from 256 tokens / cache on", "threshold_")):
         print(f"{label}: tokens/s {ratios[prefix + 'tokens_per_s']:.2f}x, TTFT p50 {ratios[prefix + 'ttft_p50_s']:.2f}x, "
               f"CPU per wave {ratios[prefix + 'cpu_s_per_wave']:.2f}x")
     print(f"Reproduce: {cmd}")

@@ -119,9 +119,10 @@ class CacheConfig(_Strict):
     redis_url: str | None = Field(None, description="Redis URL; default $DELTASERVE_REDIS_URL, else `deltaserve up` starts a local redis-server (without either: LRU only)")
     block_size: int = Field(32, gt=0, description="tokens per cache block")
     checkpoint_every: int = Field(16, gt=0, description="blocks between periodic KDA checkpoints (16 x 32 = every 512 tokens)")
-    prompt_checkpoint_min_tokens: int = Field(256, ge=0, description="a prompt's last full block gets a KDA checkpoint of its "
-                                              "own from this many tokens on (a shorter prompt costs less to compute again than "
-                                              "its state to write and read; the turn's end is checkpointed either way)")
+    prompt_checkpoint_min_tokens: int = Field(0, ge=0, description="a prompt's last full block gets a KDA checkpoint of its "
+                                              "own from this many tokens on (0: every prompt; a shorter one is computed again "
+                                              "when resent, and the Redis bytes of a burst of short prompts halve; the turn's "
+                                              "end is checkpointed either way)")
     ttl_s: int = Field(86400, gt=0, description="lifetime of block and checkpoint entries")
     session_ttl_s: int = Field(86400, gt=0, description="lifetime of a session after its last turn")
     lru_mib: int = Field(64, gt=0, description="in-replica LRU budget, MiB")

@@ -1,7 +1,7 @@
 """A turn prefilled on one replica and decoded on another is resumable by the next turn: the real Prefill and Decode
-replicas of k3-tiny behind a LocalBackend, the real Frontend, a real redis-server, the cache on its defaults.
+replicas of k3-tiny behind a LocalBackend, the real Frontend, a real redis-server.
 
-A prompt under ``cache.prompt_checkpoint_min_tokens`` gets no KDA checkpoint of its own, so the prefill replica's
+A prompt under ``cache.prompt_checkpoint_min_tokens`` (256 here) gets no KDA checkpoint of its own, so the prefill replica's
 blocks reach Redis only because it writes them when it hands the stream on (``Recorder.hand_on``); the decode
 replica's turn-end checkpoint is resumable only with them.
 """
@@ -37,9 +37,10 @@ def test_a_short_prompt_handed_from_prefill_to_decode_is_resumed_at_the_turn_s_e
     reg = TenantRegistry()
     _, key = reg.add("alice", pools=["standard"], rpm=100_000, tpm=10_000_000, max_context=1024)
     reg.save(tmp_path / "tenants.yaml")
-    config = PlatformConfig(model=MODEL, tenants_file=str(tmp_path / "tenants.yaml"), num_slots=4,
-                            cache={"redis_url": redis_server.url})
-    assert config.cache.prompt_checkpoint_min_tokens == 256  # the default this test is about
+    # trace_memory: the first replica built in a process installs its tracer provider for the process, and later
+    # in-process tests read finished spans from it
+    config = PlatformConfig(model=MODEL, tenants_file=str(tmp_path / "tenants.yaml"), num_slots=4, trace_memory=True,
+                            cache={"redis_url": redis_server.url, "prompt_checkpoint_min_tokens": 256})
     prefill, decode = Prefill(config, "standard"), Decode(config, "standard")
     frontend = Frontend(model_name=MODEL, pools=["standard"], tokenizer=load_tokenizer(MODEL),
                         registry=TenantRegistry.from_file(config.tenants_file),

@@ -51,9 +51,7 @@ def platform(tmp_path_factory):
     pools = {"standard": {"max_num_seqs": 16, "max_num_batched_tokens": 512, "decode_replicas": 2}}
     a = PlatformConfig(model=MODEL, model_name="k3", tenants_file=str(tmp / "tenants.yaml"), pools=pools,
                        http_port=find_free_port(), grpc_port=find_free_port(), num_slots=16,
-                       # short prompts here: each gets a checkpoint at its own end (the default skips prompts under 256 tokens)
-                       cache={"redis_url": redis.url, "block_size": BLOCK, "checkpoint_every": 4, "breaker_reset_s": 1.0,
-                              "prompt_checkpoint_min_tokens": 0})
+                       cache={"redis_url": redis.url, "block_size": BLOCK, "checkpoint_every": 4, "breaker_reset_s": 1.0})
     b = a.model_copy(update={"pools": {"standard": a.pools["standard"].model_copy(update={"decode_replicas": 1})},
                              "cache": a.cache.model_copy(update={"handoff": "cache"})})
     start(a, app_name="a", extra_apps=[("b", "/b", b)])

@@ -1,9 +1,9 @@
 """A turn prefilled on one replica and decoded on another is resumable by the next turn: the real Prefill and Decode
 replicas of k3-tiny behind a LocalBackend, the real Frontend, a real redis-server.
 
-A prompt under ``cache.prompt_checkpoint_min_tokens`` (256 here) gets no KDA checkpoint of its own, so the prefill replica's
-blocks reach Redis only because it writes them when it hands the stream on (``Recorder.hand_on``); the decode
-replica's turn-end checkpoint is resumable only with them.
+A prompt under ``cache.prompt_checkpoint_min_tokens`` (256 here) gets no KDA checkpoint of its own, so the prefill
+replica's blocks reach Redis only because it writes them when it hands the stream on (``Recorder.hand_on``); the
+decode replica's turn-end checkpoint is resumable only with them.
 """
 
 from __future__ import annotations

@@ -67,9 +67,8 @@ class CheckpointPlan:
     ending before each ``extra`` position, and, while decoding, at every boundary, the latest held
     back and reported when the sequence finishes (the last full block of the turn; not where the
     stream is handed on to another engine, whose own turn end supersedes it). A shorter prompt's
-    state is not written on its own: computing that prompt again costs less than writing and
-    reading its state, and the turn's end, which a next turn resumes from, is still checkpointed.
-    Prefill chunks are cut so they end on those
+    state is then not written on its own (the same prompt sent again is computed again); the
+    turn's end, which a next turn resumes from, still is. Prefill chunks are cut so they end on those
     positions, unless the runner takes KDA states inside a chunk (``ModelRunner.snapshots_in_step``):
     then chunks run on across them (a prompt is cut only by the token budget) and the states there
     are copied out in the step.

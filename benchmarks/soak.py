@@ -99,10 +99,12 @@ def _bad_request(rng: random.Random, platform: Platform) -> tuple[dict, dict | s
 
 
 async def _stream(client: httpx.AsyncClient, headers: dict, body: dict, counts: SoakCounts,
-                  stop_after_chunks: int | None = None, ids: list[str] | None = None
-                  ) -> tuple[int, str, str | None, bool, list[dict]]:
+                  stop_after_chunks: int | None = None, ids: list[str] | None = None,
+                  pieces: list[tuple[int, str]] | None = None) -> tuple[int, str, str | None, bool, list[dict]]:
     """``(status, text, finish_reason, saw [DONE], error events)`` of one SSE completion; the
-    completion's id goes into ``ids`` when given."""
+    completion's id goes into ``ids`` when given, and each event's text with its arrival (ms after the
+    request was sent) into ``pieces``: how a stream that differs was split."""
+    t0 = time.monotonic()
     text, finish, done, errors, chunks = [], None, False, [], 0
     async with client.stream("POST", "/v1/completions", headers=headers, json=body, timeout=REQUEST_TIMEOUT_S) as r:
         counts.statuses[r.status_code] += 1
@@ -125,6 +127,8 @@ async def _stream(client: httpx.AsyncClient, headers: dict, body: dict, counts: 
                 ids.append(ev["id"])
             for ch in ev.get("choices", ()):
                 text.append(ch.get("text", ""))
+                if pieces is not None:
+                    pieces.append((round(1e3 * (time.monotonic() - t0)), text[-1]))
                 finish = ch.get("finish_reason") or finish
                 chunks += 1
             if stop_after_chunks is not None and chunks >= stop_after_chunks:
@@ -143,8 +147,10 @@ async def _client(platform: Platform, rng: random.Random, undisturbed: dict, dea
                     body = {"model": model, "prompt": prompt, "max_tokens": GOOD_TOKENS, "temperature": 0,
                             "ignore_eos": True, "stream": True}
                     rid: list[str] = []
+                    pieces: list[tuple[int, str]] = []
                     try:
-                        status, text, finish, done, errors = await _stream(client, platform.auth, body, counts, ids=rid)
+                        status, text, finish, done, errors = await _stream(client, platform.auth, body, counts, ids=rid,
+                                                                           pieces=pieces)
                     except httpx.HTTPError as e:
                         counts.good_failed.append(f"{model}: {type(e).__name__} ({e})")
                         continue
@@ -157,7 +163,8 @@ async def _client(platform: Platform, rng: random.Random, undisturbed: dict, dea
                     elif text != undisturbed[model, prompt]:
                         counts.good_mismatched += 1
                         counts.mismatches.append({"model": model, "prompt": prompt, "request_id": rid[0] if rid else "",
-                                                  "expected": undisturbed[model, prompt], "got": text})
+                                                  "expected": undisturbed[model, prompt], "got": text,
+                                                  "pieces": pieces})
                 elif roll < 0.85:
                     counts.bad += 1
                     headers, body = _bad_request(rng, platform)
@@ -394,7 +401,7 @@ def main() -> int:
         print(f"  failed good requests: {n} x {reason}")
     for m in counts.mismatches:
         print(f"  mismatch {m['request_id']} {m['model']} {m['prompt']!r}:\n    expected {m['expected']!r}\n"
-              f"    got      {m['got']!r}")
+              f"    got      {m['got']!r}\n    events (ms after sending, text) {m['pieces']!r}")
         for line in m["log"][:6]:
             print(f"    log: {line}")
     for f in counts.good_failed[:5]:

@@ -447,7 +447,7 @@ class Frontend:
         ids, rid, n_prompt = plan.ids, plan.request_id, len(plan.ids)
         n_out, t_first, replica, reason, cached = 0, None, "", "length", None
         emitted: list[int] = []  # output tokens the client has
-        failures = 0
+        failures, gap_logged = 0, False
         want_lp = inp.logprobs is not None
         while True:
             preq = PrefillRequest(rid if inp.n == 1 else f"{rid}-{index}", ids, plan.max_tokens, plan.params[index],
@@ -494,6 +494,13 @@ class Frontend:
                             chunk = await self._hop(plan, anext(stream))
                         except StopAsyncIteration:
                             break
+                        if chunk.num_output_tokens - len(chunk.token_ids) != len(emitted) and not gap_logged:
+                            # the chunk does not continue what the client has: a token repeated or lost on the way
+                            # (logged once: every later chunk is off by as much)
+                            gap_logged = True
+                            log.error("request %s choice %d: decode replica %s sent output tokens %d..%d after %d "
+                                      "delivered (a repeated or lost token)", rid, index, chunk.replica,
+                                      chunk.num_output_tokens - len(chunk.token_ids), chunk.num_output_tokens, len(emitted))
                         n_out, replica = chunk.num_output_tokens, chunk.replica
                         produced[index] = n_out
                         if chunk.cached_tokens is not None and cached is None:

@@ -142,18 +142,13 @@ class RedisStore:
 
         return self._call("STRLEN", run, None)
 
-    def set_many(self, items: list[tuple[str, bytes]], ttl_s: int) -> bool:
-        """SET each key with a ``ttl_s`` second expiry (:meth:`write_many`); False if Redis is unavailable."""
-        _check_ttl(ttl_s)
-        return self.write_many([(key, value, ttl_s) for key, value in items], {})
-
     def get(self, key: str) -> bytes | None:
         """The value; None if missing or Redis is unavailable."""
         return self._call("GET", lambda r: r.get(key), None)
 
     def write_many(self, sets: list[tuple[str, bytes, int]], incrs: dict[str, dict[str, int]]) -> bool:
-        """SET each (key, value, ttl_s) with its expiry and HINCRBY each key's fields, in one round trip (no
-        transaction); False if Redis is unavailable."""
+        """SET each (key, value, ttl_s) with its expiry and HINCRBY each key's fields (no expiry set on those), in one
+        round trip (no transaction); False if Redis is unavailable."""
         for _, _, ttl_s in sets:
             _check_ttl(ttl_s)
         if not sets and not incrs:
@@ -206,10 +201,6 @@ class RedisStore:
             return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in raw.items()}
 
         return self._call("HGETALL", run, None)
-
-    def incr_fields(self, key: str, fields: dict[str, int]) -> bool:
-        """HINCRBY each field, no expiry set (:meth:`write_many`); False if Redis is unavailable."""
-        return self.write_many([], {key: fields} if fields else {})
 
     # -- keyspace and server -------------------------------------------------
     def scan(self, pattern: str, count: int = 1000) -> list[str] | None:

@@ -22,19 +22,18 @@ from cache_service import (
 
 def fill(store: RedisStore) -> None:
     h = [bytes([i]) * 16 for i in range(4)]
-    assert store.set_many(
+    assert store.write_many(
         [
-            (mla_key("acme", h[0]), b"m" * 100),
-            (mla_key("acme", h[1]), b"m" * 50),
-            (kda_key("acme", h[1]), b"k" * 1000),
-            (handoff_key("acme", "req-1"), b"x" * 7),
-            (mla_key("globex", h[0]), b"m" * 100),
+            (mla_key("acme", h[0]), b"m" * 100, 600),
+            (mla_key("acme", h[1]), b"m" * 50, 600),
+            (kda_key("acme", h[1]), b"k" * 1000, 600),
+            (handoff_key("acme", "req-1"), b"x" * 7, 600),
+            (mla_key("globex", h[0]), b"m" * 100, 600),
         ],
-        ttl_s=600,
+        {},
     )
     assert store.hset(session_key("acme", "chat-1"), {"checkpoint": h[1].hex(), "tokens": 32}, ttl_s=600)
-    assert store.incr_fields(stats_key("acme"), {"hits": 3, "misses": 2})
-    assert store.incr_fields(stats_key("initech"), {"corrupt": 1})
+    assert store.write_many([], {stats_key("acme"): {"hits": 3, "misses": 2}, stats_key("initech"): {"corrupt": 1}})
     assert store.set("unrelated:key", b"keep", ttl_s=600)
 
 

@@ -11,13 +11,13 @@ from cache_service.redis_server import PICK_PORTS
 from tests.deployments.up_process import process_running
 
 
-def test_set_many_get_many_with_ttl(store, raw_redis):
-    assert store.set_many([("k1", b"one"), ("k2", b"\x00\xff")], ttl_s=60)
+def test_write_many_get_many_with_ttl(store, raw_redis):
+    assert store.write_many([("k1", b"one", 60), ("k2", b"\x00\xff", 60)], {})
     assert store.get_many(["k1", "missing", "k2"]) == [b"one", None, b"\x00\xff"]
     assert 0 < raw_redis.ttl("k1") <= 60 and 0 < raw_redis.ttl("k2") <= 60
     assert store.exists_many(["k2", "missing", "k1"]) == [True, False, True]
     assert store.strlen_many(["k1", "missing"]) == [3, 0]
-    assert store.get_many([]) == [] and store.exists_many([]) == [] and store.set_many([], 60)
+    assert store.get_many([]) == [] and store.exists_many([]) == [] and store.write_many([], {})
 
 
 def test_single_key_operations(store, raw_redis):
@@ -33,13 +33,13 @@ def test_hashes_and_counters(store, raw_redis):
     assert 0 < raw_redis.ttl("h") <= 20
     assert store.hgetall("h") == {"tenant": "acme", "tokens": "12"}
     assert store.hgetall("nothing") == {}
-    assert store.incr_fields("c", {"hits": 2, "misses": 1}) and store.incr_fields("c", {"hits": 3})
+    assert store.write_many([], {"c": {"hits": 2, "misses": 1}}) and store.write_many([], {"c": {"hits": 3}})
     assert store.hgetall("c") == {"hits": "5", "misses": "1"}
     assert raw_redis.ttl("c") == -1
 
 
 def test_scan_and_delete_pattern(store):
-    assert store.set_many([(f"ds:v1:t:a:mla:{i}", b"x") for i in range(25)] + [("ds:v1:t:b:mla:0", b"y")], 60)
+    assert store.write_many([(f"ds:v1:t:a:mla:{i}", b"x", 60) for i in range(25)] + [("ds:v1:t:b:mla:0", b"y", 60)], {})
     assert sorted(store.scan("ds:v1:t:a:*", count=7)) == sorted(f"ds:v1:t:a:mla:{i}" for i in range(25))
     assert store.delete_pattern("ds:v1:t:a:*") == 25
     assert store.scan("ds:v1:t:*") == ["ds:v1:t:b:mla:0"]
@@ -49,7 +49,7 @@ def test_bad_arguments_raise_before_any_call(store):
     with pytest.raises(ValueError, match="ttl_s"):
         store.set("k", b"v", ttl_s=0)
     with pytest.raises(ValueError, match="ttl_s"):
-        store.set_many([("k", b"v")], ttl_s=1.5)
+        store.write_many([("k", b"v", 1.5)], {})
     with pytest.raises(ValueError, match="policy"):
         store.configure_memory(1 << 20, "lru-please")
     with pytest.raises(ValueError, match="timeout_s"):
@@ -122,7 +122,7 @@ def test_eviction_under_small_maxmemory_keeps_working():
         assert store.info()["maxmemory_policy"] == "allkeys-lru"
         value = bytes(16 << 10)
         for batch in range(16):  # 4 MiB into a ~2 MiB budget
-            assert store.set_many([(f"k{batch}:{i}", value) for i in range(16)], ttl_s=600)
+            assert store.write_many([(f"k{batch}:{i}", value, 600) for i in range(16)], {})
         after = store.info()
         assert after["evicted_keys"] > 0
         assert after["used_memory"] <= after["maxmemory"] + len(value)  # eviction runs before each write

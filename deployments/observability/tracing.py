@@ -149,9 +149,16 @@ def setup_tracing(service: str, *, memory: bool = False, instance: str | None = 
     ``service.name``, ``instance`` the ``service.instance.id`` (the Serve replica id), ``attributes``
     more resource attributes (``deltaserve.component``, ``deltaserve.pool``); ``memory`` keeps
     finished spans for :func:`finished_spans`. ValueError for variables that ask for an export this
-    platform lacks (see :func:`otlp_export`): the replica then fails to start, saying why."""
+    platform lacks (see :func:`otlp_export`): the replica then fails to start, saying why.
+
+    With no export and no ``memory`` it installs nothing: the API's default tracer then makes non-recording
+    spans and empty carriers, so a request costs no span work that nobody would read (an SDK provider without
+    a processor still built every span: about 0.1 ms of CPU per request across the ingress and its hops). A
+    later call that asks for ``memory`` still installs its provider."""
     global _configured, _memory
     if _configured:
+        return
+    if otlp_export() is None and not memory:
         return
     provider, _memory = make_provider(service, memory=memory, instance=instance, attributes=attributes)
     trace.set_tracer_provider(provider)

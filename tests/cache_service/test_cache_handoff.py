@@ -37,9 +37,7 @@ def test_a_short_prompt_handed_from_prefill_to_decode_is_resumed_at_the_turn_s_e
     reg = TenantRegistry()
     _, key = reg.add("alice", pools=["standard"], rpm=100_000, tpm=10_000_000, max_context=1024)
     reg.save(tmp_path / "tenants.yaml")
-    # trace_memory: the first replica built in a process installs its tracer provider for the process, and later
-    # in-process tests read finished spans from it
-    config = PlatformConfig(model=MODEL, tenants_file=str(tmp_path / "tenants.yaml"), num_slots=4, trace_memory=True,
+    config = PlatformConfig(model=MODEL, tenants_file=str(tmp_path / "tenants.yaml"), num_slots=4,
                             cache={"redis_url": redis_server.url, "prompt_checkpoint_min_tokens": 256})
     prefill, decode = Prefill(config, "standard"), Decode(config, "standard")
     frontend = Frontend(model_name=MODEL, pools=["standard"], tokenizer=load_tokenizer(MODEL),

@@ -21,6 +21,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -294,6 +295,41 @@ def test_service_name_and_sampler_come_from_the_environment(otel_env):
     assert service(OTEL_RESOURCE_ATTRIBUTES="service.name=from-attributes") == "from-attributes"
     assert service(OTEL_SERVICE_NAME="from-service-name") == "from-service-name"  # wins over both
     assert service(OTEL_TRACES_SAMPLER="always_off") == ""  # nothing sampled, nothing recorded
+
+
+_NO_EXPORT_PROBE = """
+import json
+from deployments.observability import tracing
+tp = "00-" + "a" * 32 + "-" + "b" * 16 + "-01"
+tracing.setup_tracing("deltaserve-ingress")
+own = tracing.start_request("r1", "k3-tiny", None)
+child = tracing.start_request("r2", "k3-tiny", {"traceparent": tp})
+hop = tracing.start_hop("prefill", tracing.carrier_of(own), **{"deltaserve.pool": "standard"})
+out = {"recording": [s.is_recording() for s in (own, child, hop)], "own": tracing.carrier_of(own),
+       "child": tracing.carrier_of(child)}
+for s in (hop, own, child):
+    s.end()
+out["kept_before"] = len(tracing.finished_spans())
+tracing.setup_tracing("deltaserve-ingress", memory=True)  # a later call that asks for memory still installs it
+tracing.start_request("r3", "k3-tiny", None).end()
+out["kept_after"] = [s["name"] for s in tracing.finished_spans()]
+print(json.dumps(out))
+"""
+
+
+def test_without_an_export_no_span_is_recorded():
+    """No OTLP export and no in-memory spans: no tracer provider is installed, so spans do not record and the
+    payloads carry no trace context of the platform's own (a client's traceparent still passes through). A fresh
+    interpreter: the tracer provider is process-wide and set once."""
+    env = {k: v for k, v in os.environ.items() if k not in OTEL_VARS}
+    done = subprocess.run([sys.executable, "-c", _NO_EXPORT_PROBE], cwd=Path(__file__).resolve().parents[2], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["recording"] == [False, False, False]
+    assert out["own"] == {}
+    assert out["child"] == {"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"}
+    assert out["kept_before"] == 0 and out["kept_after"] == ["ingress"]
 
 
 def test_deltaserve_up_refuses_an_unsupported_protocol(tmp_path):

@@ -94,6 +94,11 @@ class CheckpointPlan:
         """Tokens between periodic KDA checkpoints."""
         return self.block_size * self.every_blocks
 
+    @property
+    def extra_blocks(self) -> frozenset[int]:
+        """The ``extra`` positions rounded down to a block boundary."""
+        return frozenset(e // self.block_size * self.block_size for e in self.extra)
+
 
 @dataclass
 class Checkpoint:
@@ -375,7 +380,7 @@ class Sequence:
         plan = self.checkpoint_plan
         assert plan is not None
         return position > 0 and (position % plan.interval == 0 or position == self.prompt_checkpoint
-                                 or position in {e // plan.block_size * plan.block_size for e in plan.extra})
+                                 or position in plan.extra_blocks)
 
     def tokens_to_boundary(self) -> int:
         """Most tokens the next chunk may compute without crossing a KDA checkpoint position (the checkpoint plan's
@@ -387,7 +392,7 @@ class Sequence:
         p = self.num_computed
         nxt = (p // plan.interval + 1) * plan.interval
         last_full = self.prompt_block_end
-        for stop in [e // plan.block_size * plan.block_size for e in plan.extra] + [self.prompt_checkpoint]:
+        for stop in [*plan.extra_blocks, self.prompt_checkpoint]:
             if p < stop <= last_full:
                 nxt = min(nxt, stop)
         return max(1, nxt - p)
@@ -405,7 +410,7 @@ class Sequence:
         if end <= lo:  # a decode token, or a chunk past the known tokens' last full block: every step of a stream
             return ()
         stops = set(range((lo // plan.interval + 1) * plan.interval, end + 1, plan.interval))
-        stops.update(e // plan.block_size * plan.block_size for e in plan.extra)
+        stops.update(plan.extra_blocks)
         stops.add(self.prompt_checkpoint)
         return tuple(q - p for q in sorted(stops) if lo < q <= end)
 

@@ -297,12 +297,12 @@ def timed_experts(model) -> list[Timed]:
 
 
 def engine_run(model, tok, texts: list[str], max_tokens: int, *, max_num_seqs: int = 32, budget: int = 1024,
-               timers: list[Timed] | None = None) -> dict:
+               prompt_batch_tokens: int | None = None, timers: list[Timed] | None = None) -> dict:
     """All requests added at once; end-to-end and decode-phase numbers (wall and CPU time)."""
     n = len(texts)
     engine = Engine(ModelRunner(model, max(n, max_num_seqs)), tok,
                     EngineConfig(num_slots=max(n, max_num_seqs), max_num_seqs=max_num_seqs,
-                                 max_num_batched_tokens=max(budget, max_num_seqs)))
+                                 max_num_batched_tokens=max(budget, max_num_seqs), prompt_batch_tokens=prompt_batch_tokens))
     text = {f"q{i}": "" for i in range(n)}
     first: set[str] = set()
     ttft: list[float] = []  # seconds from the start to each request's first token

@@ -300,7 +300,7 @@ def settle() -> None:
 def deltaserve_offline(model, tok, pool):
     def run(texts: list[str], w: Workload) -> dict:
         r = engine_run(model, tok, texts, w.new_tokens, max_num_seqs=pool.max_num_seqs,
-                       budget=pool.max_num_batched_tokens)
+                       budget=pool.max_num_batched_tokens, prompt_batch_tokens=pool.prompt_batch_tokens)
         return {"wall_s": r["wall_s"], "tokens": r["tokens"], "tokens_per_s": r["tokens_per_s"], "texts": r["texts"]}
     return run
 

@@ -75,6 +75,12 @@ class PoolConfig(_Strict):
                                       "through prefill (a decoding replica takes their prompt tokens only within "
                                       "prefill_share). 0 = every prompt through prefill "
                                       "(deployments/gateway/local_prefill.py)")
+    prompt_batch_tokens: int | None = Field(None, gt=0, description="new prompts join an engine step until the step's "
+                                            "prompt tokens reach this (its first prompt always joins; a prompt longer "
+                                            "than the rest of the token budget is chunked as before): a burst of short "
+                                            "prompts is prefilled a few at a time, so its first requests have their "
+                                            "first token sooner, at a step's fixed cost each. None = until the token "
+                                            "budget (max_num_batched_tokens)")
     request_timeout_s: float = Field(600.0, gt=0, description="end-to-end deadline of one request in this pool, "
                                      "failovers included (the frontend enforces it; past it: 504)")
     max_queued_requests: int = Field(64, gt=0, description="requests an ingress replica holds waiting for a free "

@@ -49,6 +49,9 @@ class EngineConfig:
     # most of a decoding step's time its prompt chunks may take (1.0: no cap beyond the token budget); see
     # Engine.prefill_cap
     prefill_share: float = 1.0
+    # new prompts join a step until the step's prompt tokens reach this (its first prompt always joins); the rest
+    # wait for the next step, so the first prompts of a burst get their first token sooner. None: the token budget
+    prompt_batch_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_slots", "max_num_seqs", "max_num_batched_tokens", "max_cached_tokens", "max_model_len",
@@ -56,6 +59,10 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.prompt_batch_tokens is not None and (not isinstance(self.prompt_batch_tokens, int)
+                                                     or isinstance(self.prompt_batch_tokens, bool)
+                                                     or self.prompt_batch_tokens < 1):
+            raise ValueError(f"prompt_batch_tokens must be a positive integer or None, got {self.prompt_batch_tokens!r}")
         if not (isinstance(self.prefill_share, (int, float)) and 0 < self.prefill_share <= 1):
             raise ValueError(f"prefill_share must be a number in (0, 1], got {self.prefill_share!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -154,6 +161,7 @@ class Engine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_cached_tokens=config.max_cached_tokens,
+            prompt_batch_tokens=config.prompt_batch_tokens,
         )
         self.stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}  # unfinished requests by id

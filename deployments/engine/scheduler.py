@@ -89,8 +89,10 @@ class Scheduler:
     schedules something.
     """
 
-    def __init__(self, slots: SlotPool, *, max_num_seqs: int, max_num_batched_tokens: int, max_cached_tokens: int) -> None:
+    def __init__(self, slots: SlotPool, *, max_num_seqs: int, max_num_batched_tokens: int, max_cached_tokens: int,
+                 prompt_batch_tokens: int | None = None) -> None:
         self.slots = slots
+        self.prompt_batch_tokens = prompt_batch_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_cached_tokens = max_cached_tokens
@@ -124,6 +126,7 @@ class Scheduler:
         prefilling = [s for s in self.running if not s.is_decoding]
         # prompt tokens this step may still take (a decoding step caps them, a prefill-only step does not)
         prompt_left = budget if prefill_tokens is None or not decoding else max(0, prefill_tokens)
+        prompt_in_step = 0  # prompt tokens in the step (every prompt chunk, capped or not): prompt_batch_tokens
         for seq in decoding + prefilling:
             if budget == 0:
                 break
@@ -143,7 +146,10 @@ class Scheduler:
                 budget -= n
                 cached += n
                 prompt_left -= 0 if _uncapped(seq) else n
+                prompt_in_step += 0 if seq.is_decoding else n
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
+            if self.prompt_batch_tokens is not None and prompt_in_step >= self.prompt_batch_tokens:
+                break  # the step has its share of prompts: the rest wait for the next step (its first tokens sooner)
             seq = self.waiting[0]
             n = min(seq.num_uncomputed, budget, seq.tokens_to_boundary(), budget if _uncapped(seq) else prompt_left)
             if n == 0:
@@ -161,6 +167,7 @@ class Scheduler:
             seq.slot, seq.status = slot, SequenceStatus.RUNNING
             prompt_left -= 0 if _uncapped(seq) else n
             self.running.append(seq)
+            prompt_in_step += 0 if seq.is_decoding else n
             out.chunks.append(ScheduledChunk(seq, seq.next_chunk(n)))
             budget -= n
             cached += seq.num_computed + n

@@ -38,7 +38,8 @@ class EngineReplica:
             self.tokenizer,
             EngineConfig(num_slots=num_slots, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max(config.pools[pool].max_num_batched_tokens, max_num_seqs),
-                         max_model_len=config.max_model_len, prefill_share=config.pools[pool].prefill_share),
+                         max_model_len=config.max_model_len, prefill_share=config.pools[pool].prefill_share,
+                         prompt_batch_tokens=config.pools[pool].prompt_batch_tokens),
         )
         wait, gap = config.pools[pool].gather_s(kind)
         # a prefill replica's steps yield the CPU to a decode replica (PoolConfig.prefill_share): the step thread goes

@@ -178,3 +178,42 @@ def test_finish_frees_the_slot_from_every_state():
     assert sched.schedule() is None
     with pytest.raises(RuntimeError, match="bug"):
         sched.finish(run_a)
+
+
+def test_prompt_batch_tokens_admits_new_prompts_a_few_a_step():
+    """A burst of short prompts joins the steps a few at a time (the first ones have their first token after one
+    small step); decodes ride along; a step's first prompt always joins, and one longer than the cap still takes
+    what the budget allows."""
+    slots = FakeSlots(8)
+    sched = Scheduler(slots, max_num_seqs=8, max_num_batched_tokens=64, max_cached_tokens=1000, prompt_batch_tokens=20)
+    for rid in "abcde":
+        sched.add(make_seq(rid, 10, 3))
+    steps = [trace(run_step(sched, slots)) for _ in range(3)]
+    assert steps == [
+        [("a", 10), ("b", 10)],  # 20 prompt tokens: the cap; c waits although the budget has room
+        [("a", 1), ("b", 1), ("c", 10), ("d", 10)],  # decodes do not count against it
+        [("a", 1), ("b", 1), ("c", 1), ("d", 1), ("e", 10)],
+    ]
+    slots = FakeSlots(4)
+    sched = Scheduler(slots, max_num_seqs=4, max_num_batched_tokens=64, max_cached_tokens=1000, prompt_batch_tokens=20)
+    sched.add(make_seq("long", 100, 2))
+    sched.add(make_seq("short", 5, 2))
+    assert trace(run_step(sched, slots)) == [("long", 64)]  # alone over the cap: the whole budget, nothing joins
+    assert trace(run_step(sched, slots)) == [("long", 36)]  # its continuation counts too: short waits once more
+    assert trace(run_step(sched, slots)) == [("long", 1), ("short", 5)]
+
+
+def test_without_prompt_batch_tokens_a_step_fills_its_budget():
+    slots = FakeSlots(8)
+    sched = Scheduler(slots, max_num_seqs=8, max_num_batched_tokens=64, max_cached_tokens=1000)
+    for rid in "abcde":
+        sched.add(make_seq(rid, 10, 3))
+    assert trace(run_step(sched, slots)) == [(rid, 10) for rid in "abcde"]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_engine_config_rejects_a_bad_prompt_batch_tokens(bad):
+    from deployments.engine import EngineConfig
+
+    with pytest.raises(ValueError, match=f"prompt_batch_tokens must be a positive integer or None, got {bad!r}"):
+        EngineConfig(prompt_batch_tokens=bad)

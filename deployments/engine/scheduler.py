@@ -6,8 +6,9 @@ every step:
 1. running sequences that decode (one token each), oldest admitted first;
 2. running sequences part-way through their prompt, next chunk each, oldest first;
 3. queued sequences, front first (swapped-out ones are at the front), admitted while a
-   slot, the ``max_num_seqs`` cap, the token budget and the cache limit allow; the first
-   that does not fit stops admission (FCFS, nothing overtakes it).
+   slot, the ``max_num_seqs`` cap, the token budget and the cache limit allow, and while the
+   step's prompt tokens are below ``prompt_batch_tokens`` (when set; the first prompt always
+   joins); the first that does not fit stops admission (FCFS, nothing overtakes it).
 
 Every chunk counts against ``max_num_batched_tokens``: a prompt longer than the remaining
 budget is split across steps (chunked prefill). A sequence with a checkpoint plan also has

@@ -6,9 +6,10 @@ every step:
 1. running sequences that decode (one token each), oldest admitted first;
 2. running sequences part-way through their prompt, next chunk each, oldest first;
 3. queued sequences, front first (swapped-out ones are at the front), admitted while a
-   slot, the ``max_num_seqs`` cap, the token budget and the cache limit allow, and while the
-   step's prompt tokens are below ``prompt_batch_tokens`` (when set; the first prompt always
-   joins); the first that does not fit stops admission (FCFS, nothing overtakes it).
+   slot, the ``max_num_seqs`` cap, the token budget and the cache limit allow, and, for one
+   with prompt left to compute, while the step's prompt tokens are below ``prompt_batch_tokens``
+   (when set; the first prompt always joins; a restored decoding sequence, swapped out or handed
+   off, is not held by it); the first that does not fit stops admission (FCFS, nothing overtakes it).
 
 Every chunk counts against ``max_num_batched_tokens``: a prompt longer than the remaining
 budget is split across steps (chunked prefill). A sequence with a checkpoint plan also has
@@ -149,9 +150,10 @@ class Scheduler:
                 prompt_left -= 0 if _uncapped(seq) else n
                 prompt_in_step += 0 if seq.is_decoding else n
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
-            if self.prompt_batch_tokens is not None and prompt_in_step >= self.prompt_batch_tokens:
-                break  # the step has its share of prompts: the rest wait for the next step (its first tokens sooner)
             seq = self.waiting[0]
+            if (self.prompt_batch_tokens is not None and prompt_in_step >= self.prompt_batch_tokens
+                    and not seq.is_decoding):
+                break  # the step has its share of prompts: the rest wait for the next step (its first tokens sooner)
             n = min(seq.num_uncomputed, budget, seq.tokens_to_boundary(), budget if _uncapped(seq) else prompt_left)
             if n == 0:
                 break  # its prompt waits for a step with room (FCFS: nothing behind it overtakes)

@@ -203,6 +203,22 @@ def test_prompt_batch_tokens_admits_new_prompts_a_few_a_step():
     assert trace(run_step(sched, slots)) == [("long", 1), ("short", 5)]
 
 
+def test_prompt_batch_tokens_does_not_hold_back_a_decoding_sequence():
+    """A handed-off (or swapped-out) sequence that only decodes is restored in the step although its prompt
+    tokens already reached the cap; a prompt behind it still waits."""
+    slots = FakeSlots(4)
+    sched = Scheduler(slots, max_num_seqs=4, max_num_batched_tokens=64, max_cached_tokens=1000, prompt_batch_tokens=10)
+    sched.add(make_seq("a", 10, 3))
+    handed = make_seq("h", 5, 3)
+    handed.append_token(TOKEN)  # the first token, sampled where the prompt was computed
+    handed.host_state, handed.num_computed = SequenceState("fake", 5, [], [], []), 5
+    sched.add(handed)
+    sched.add(make_seq("b", 10, 3))
+    assert trace(run_step(sched, slots)) == [("a", 10), ("h", 1)]
+    assert slots.restored == [(1, 5)]
+    assert trace(run_step(sched, slots)) == [("a", 1), ("h", 1), ("b", 10)]
+
+
 def test_without_prompt_batch_tokens_a_step_fills_its_budget():
     slots = FakeSlots(8)
     sched = Scheduler(slots, max_num_seqs=8, max_num_batched_tokens=64, max_cached_tokens=1000)

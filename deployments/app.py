@@ -58,15 +58,17 @@ def _options(config: PlatformConfig, name: str, replicas: int, *, max_ongoing: i
     large as a handoff at the full context (throughput-optimized Serve sends requests and replies
     between replicas over gRPC; :mod:`deployments.workers.handoff`); a larger limit already in the
     cluster's environment stays. ``shutdown_s``: its ``graceful_shutdown_timeout_s``
-    (:func:`shutdown_timeout_s`).
+    (:func:`shutdown_timeout_s`). Each replica reserves what ``PlatformConfig.resources_of`` gives.
     """
     limit = max(grpc_message_limit(config.model, config.max_model_len), int(os.environ.get(GRPC_LIMIT_ENV) or 0))
+    cpus, gpus = config.resources_of(name)
+    actor = {"num_cpus": cpus, **({"num_gpus": gpus} if gpus else {}),
+             "runtime_env": {"env_vars": {GRPC_LIMIT_ENV: str(limit)}}}
     return {"name": name, "num_replicas": replicas, "max_ongoing_requests": max_ongoing,
             "max_queued_requests": max_queued, "graceful_shutdown_timeout_s": shutdown_s,
             "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S,
             "health_check_period_s": config.health_check_period_s, "health_check_timeout_s": config.health_check_timeout_s,
-            "ray_actor_options": {"num_cpus": config.replica_num_cpus,
-                                  "runtime_env": {"env_vars": {GRPC_LIMIT_ENV: str(limit)}}}}
+            "ray_actor_options": actor}
 
 
 def build_app(args: dict | PlatformConfig | None = None) -> serve.Application:

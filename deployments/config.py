@@ -160,8 +160,11 @@ class AutoscaleConfig(_Strict):
 
     enabled: bool = Field(False, description="run the policy as Serve's application-level autoscaling_policy "
                           "(`deltaserve up --autoscale`); off: replica counts stay as configured")
-    budget: float | None = Field(None, gt=0, description="replicas all engine deployments may use together "
-                                 "(`--budget N`); None: the sum of the configured replica counts")
+    budget: float | None = Field(None, gt=0, description="what all engine deployments may use together, in "
+                                 "budget_unit (`--budget N`); None: what the configured replica counts use")
+    budget_unit: Literal["replicas", "cpus", "gpus"] = Field("replicas", description="what the budget counts "
+                                                             "(`--budget-unit`): replicas, or the Ray CPUs / GPUs "
+                                                             "their replicas reserve (replica_resources)")
     interval_s: float = Field(5.0, gt=0, description="seconds between two policy ticks")
     floors: dict[str, int] = Field(default_factory=dict, description="deployment -> fewest replicas (default 1)")
     ceilings: dict[str, int] = Field(default_factory=dict, description="deployment -> most replicas (default: none)")
@@ -176,6 +179,13 @@ class AutoscaleConfig(_Strict):
 
         params_from_json(policy)  # raises naming an unknown or bad threshold
         return policy
+
+
+class ReplicaResources(_Strict):
+    """What one replica of a deployment reserves from Ray, where it differs from the platform's default."""
+
+    num_cpus: float | None = Field(None, gt=0, description="Ray CPUs (None: the platform's replica_num_cpus)")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs")
 
 
 class AffinityConfig(_Strict):
@@ -234,6 +244,11 @@ class PlatformConfig(_Strict):
     num_slots: int = Field(32, gt=0, description="state slots per prefill/decode replica")
     max_model_len: int = Field(8192, gt=0, description="longest prompt + output, tokens")
     replica_num_cpus: float = Field(0.1, gt=0, description="Ray CPUs reserved per replica (fractional: this is one machine)")
+    replica_resources: dict[str, ReplicaResources] = Field(default_factory=dict, description="deployment name -> "
+                                                           "what one of its replicas reserves, where it differs from "
+                                                           "replica_num_cpus and no GPU (e.g. {decode-highspeed: "
+                                                           "{num_gpus: 1}}); an autoscale budget in cpus or gpus "
+                                                           "counts these")
     torch_threads: int = Field(1, gt=0, description="torch intra-op threads per replica")
     host: str = Field("127.0.0.1", description="address HTTP and gRPC listen on")
     http_port: int = Field(8000, ge=0, le=65535)
@@ -290,6 +305,10 @@ class PlatformConfig(_Strict):
             raise ValueError(f"expert_pool_replicas {bad}: shard ids must be in 0..{self.expert_shards - 1} and counts >= 1")
         if self.expert_transport_port and self.expert_transport_port + self.expert_shards - 1 > 65535:
             raise ValueError(f"expert_transport_port {self.expert_transport_port} + expert_shards {self.expert_shards} - 1 exceeds 65535")
+        unknown = sorted(set(self.replica_resources) - set(self.deployment_names()))
+        if unknown:
+            raise ValueError(f"replica_resources names unknown deployment {unknown[0]!r}; the deployments are "
+                             f"{self.deployment_names()}")
         return self
 
     @property
@@ -325,6 +344,30 @@ class PlatformConfig(_Strict):
         if self.expert_mode == "pool":
             counts.update({f"expert-pool-{s}": self.expert_pool_replicas.get(s, 1) for s in range(self.expert_shards)})
         return counts
+
+    def deployment_names(self) -> list[str]:
+        """Every deployment of the application: the engine and expert-pool ones, the ingress and cache-admin."""
+        shards = [f"expert-pool-{s}" for s in range(self.expert_shards)] if self.expert_mode == "pool" else []
+        return [f"{kind}-{pool}" for pool in self.pools for kind in ("prefill", "decode")] + shards + [
+            "cache-admin", "ingress"]
+
+    def resources_of(self, deployment: str) -> tuple[float, float]:
+        """(Ray CPUs, GPUs) one replica of ``deployment`` reserves."""
+        own = self.replica_resources.get(deployment)
+        if own is None:
+            return self.replica_num_cpus, 0.0
+        return (own.num_cpus if own.num_cpus is not None else self.replica_num_cpus), own.num_gpus
+
+    def replica_cost(self, deployment: str, unit: str) -> float:
+        """What one replica of ``deployment`` counts against an autoscale budget in ``unit``."""
+        if unit == "replicas":
+            return 1.0
+        cpus, gpus = self.resources_of(deployment)
+        if unit == "cpus":
+            return cpus
+        if unit == "gpus":
+            return gpus
+        raise ValueError(f"budget_unit must be replicas, cpus or gpus, got {unit!r}")
 
     def without_replica_counts(self) -> "PlatformConfig":
         """The same config with every count at 1: what replicas are bound with (a new count then scales

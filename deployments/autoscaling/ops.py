@@ -145,15 +145,32 @@ def bounds(app_cfg: dict) -> dict[str, tuple[int, int | None]]:
             for name in engine_deployments(app_cfg)}
 
 
+def budget_unit(app_cfg: dict) -> str:
+    """What the budget counts (replicas, cpus or gpus): the spec's, else the platform config's."""
+    return str(_spec(app_cfg).get("unit") or platform_config(app_cfg).autoscale.budget_unit)
+
+
+def replica_costs(app_cfg: dict) -> dict[str, float]:
+    """Engine deployment -> what one of its replicas counts against the budget (in :func:`budget_unit`)."""
+    spec_cost = _spec(app_cfg).get("cost")
+    config = platform_config(app_cfg)
+    if spec_cost is None:
+        spec_cost = {name: config.replica_cost(name, budget_unit(app_cfg)) for name in engine_deployments(app_cfg)}
+    return {name: float(spec_cost.get(name, 1.0)) for name in engine_deployments(app_cfg)}
+
+
 def budget_total(app_cfg: dict, settings: OpsSettings) -> float:
-    """The budget in force: the run-time one, else the spec's, else the platform config's, else the
-    configured counts' sum."""
+    """The budget in force: the run-time one, else the spec's, else the platform config's, else what the
+    configured counts use."""
     if settings.budget is not None:
         return settings.budget
     if "budget" in _spec(app_cfg):
         return float(_spec(app_cfg)["budget"])
     config = platform_config(app_cfg)
-    return config.autoscale.budget if config.autoscale.budget is not None else sum(config.replica_counts().values())
+    if config.autoscale.budget is not None:
+        return config.autoscale.budget
+    cost = replica_costs(app_cfg)
+    return sum(n * cost.get(d, 1.0) for d, n in config.replica_counts().items())
 
 
 # -- changes ---------------------------------------------------------------------------------------
@@ -204,11 +221,13 @@ def _check_fits(app_cfg: dict, settings: OpsSettings) -> None:
         if pin < floor or (ceiling is not None and pin > ceiling):
             raise OpsError(f"count {pin} for {name} is outside its floor {floor} and ceiling "
                            f"{ceiling if ceiling is not None else 'none'}")
-    total = budget_total(app_cfg, settings)
+    total, unit, cost = budget_total(app_cfg, settings), budget_unit(app_cfg), replica_costs(app_cfg)
     needed = {name: settings.pins.get(name, floor) for name, (floor, _) in limits.items()}
-    if sum(needed.values()) > total + 1e-9:
+    used = sum(c * cost[n] for n, c in needed.items())
+    if used > total + 1e-9:
         parts = ", ".join(f"{n} {c}{' (pinned)' if n in settings.pins else ''}" for n, c in needed.items())
-        raise OpsError(f"budget {total:g} is below the {sum(needed.values())} replicas that pins and floors need ({parts})")
+        what = f"{used:g} replicas" if unit == "replicas" else f"{used:g} {unit} of the replicas"
+        raise OpsError(f"budget {total:g} is below the {what} that pins and floors need ({parts})")
 
 
 def _put_settings(config: dict, app: str, settings: OpsSettings) -> dict:
@@ -271,7 +290,7 @@ def set_budget(config: dict, app: str, budget: float) -> Change:
         raise OpsError(f"budget must be a number > 0, got {budget!r}")
     was = budget_total(application(config, app), settings)
     new = _put_settings(config, app, OpsSettings(budget, dict(settings.pins), settings.paused))
-    return Change(new, f"budget: {was:g} -> {budget:g} replicas",
+    return Change(new, f"budget: {was:g} -> {budget:g} {budget_unit(application(config, app))}",
                   _published(f"the autoscaler's budget at {budget:g}",
                              lambda s: abs(float(s.get("budget", -1)) - budget) < 1e-9))
 
@@ -365,7 +384,7 @@ class DeploymentReport:
 class StatusReport:
     app: str
     app_status: str
-    autoscaler: dict             # mode off|on|paused, budget, spent, decided_s_ago, note
+    autoscaler: dict             # mode off|on|paused, budget, unit, spent, decided_s_ago, note
     deployments: list[DeploymentReport]
     pools: dict[str, dict]       # pool -> slo_attainment (5 min), ttft_p95_s, tpot_p95_s, requests_per_s
     metrics: str                 # where the queues and attainment came from, or why there are none
@@ -402,7 +421,7 @@ def build_status(config: dict, app: str, view: RuntimeView, metrics: MetricsView
                 "note": "fixed replica counts (deltaserve up without --autoscale)"}
     else:
         auto = {"mode": "paused" if settings.paused else "on", "budget": budget_total(app_cfg, settings),
-                "spent": published.get("spent"),
+                "unit": budget_unit(app_cfg), "spent": published.get("spent"),
                 "decided_s_ago": round(now - published["time"], 1) if "time" in published else None,
                 "note": view.autoscaler_note if not published else ""}
     note = metrics.url if metrics else metrics_note
@@ -420,7 +439,7 @@ def format_status(report: StatusReport) -> str:
     if a["mode"] == "off":
         auto = f"autoscaler: off ({a['note']})"
     else:
-        auto = (f"autoscaler: {a['mode']}, budget {a['budget']:g}, spent {_num(a['spent'])}, last decision "
+        auto = (f"autoscaler: {a['mode']}, budget {a['budget']:g} {a['unit']}, spent {_num(a['spent'])}, last decision "
                 f"{_num(a['decided_s_ago'], '{:g} s ago')}" + (f" ({a['note']})" if a["note"] else ""))
     lines = [f"application {report.app}: {report.app_status}; {auto}", ""]
     head = ("DEPLOYMENT", "STATUS", "RUNNING", "TARGET", "PIN", "WAITING", "SEQS", "QUEUED", "REASON")

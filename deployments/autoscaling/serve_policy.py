@@ -39,8 +39,17 @@ from deployments.autoscaling.settings import (
 from deployments.autoscaling.signals import Budget, Decision, Observation, Slo
 
 POLICY_IMPORT_PATH = "deployments.autoscaling.serve_policy:ServeAutoscalingPolicy"
+BUDGET_UNITS = ("replicas", "cpus", "gpus")  # what an autoscale budget counts (AutoscaleConfig.budget_unit)
 
 log = logging.getLogger("ray.serve")
+
+
+def _check_costs(unit: str, cost: Mapping[str, float]) -> None:
+    """ValueError naming a deployment whose replicas use none of ``unit`` (a budget in it cannot size them)."""
+    free = sorted(d for d, c in cost.items() if c <= 0)
+    if free:
+        raise ValueError(f"an autoscale budget in {unit} cannot size {free[0]}: its replicas reserve no "
+                         f"{unit[:-1].upper()} (replica_resources); budget in replicas, or give it some")
 
 
 @dataclass(frozen=True)
@@ -60,19 +69,27 @@ class DeploymentSpec:
 class AutoscalerSpec:
     """What the policy needs from the platform config (JSON in ``policy_kwargs["spec"]``)."""
 
-    budget: float                                      # replicas all engine deployments may use together
+    budget: float                                      # what all engine deployments may use together, in unit
     interval_s: float                                  # seconds between two ticks
     deployments: tuple[DeploymentSpec, ...]
     slo: dict[str, tuple[float, float]] = field(default_factory=dict)  # pool -> (ttft_s, tpot_s)
     params: dict = field(default_factory=dict)          # DeltaserveParams overrides (autoscale.policy)
+    unit: str = "replicas"                              # what the budget counts: replicas, cpus or gpus
+    cost: dict[str, float] = field(default_factory=dict)  # deployment -> what one replica counts (default 1)
 
     def __post_init__(self) -> None:
         if not (self.budget > 0 and self.interval_s > 0):
             raise ValueError(f"autoscaler spec: budget ({self.budget}) and interval_s ({self.interval_s}) must be > 0")
-        floors = sum(d.floor for d in self.deployments)
-        if floors > self.budget:
-            raise ValueError(f"autoscale budget {self.budget:g} is below the floors' sum {floors} "
+        if self.unit not in BUDGET_UNITS:
+            raise ValueError(f"autoscaler spec: unit must be one of {BUDGET_UNITS}, got {self.unit!r}")
+        _check_costs(self.unit, {d.name: self.cost_of(d.name) for d in self.deployments})
+        floors = sum(d.floor * self.cost_of(d.name) for d in self.deployments)
+        if floors > self.budget + 1e-9:
+            raise ValueError(f"autoscale budget {self.budget:g} {self.unit} is below what the floors use, {floors:g} "
                              f"({({d.name: d.floor for d in self.deployments})})")
+
+    def cost_of(self, name: str) -> float:
+        return self.cost.get(name, 1.0)
 
     @classmethod
     def from_platform(cls, config) -> AutoscalerSpec:
@@ -85,15 +102,20 @@ class AutoscalerSpec:
         if unknown:
             raise ValueError(f"autoscale floors/ceilings name unknown deployment {unknown[0]!r}; "
                              f"the autoscaler sizes {sorted(counts)}")
-        budget = float(auto.budget if auto.budget is not None else sum(counts.values()))
+        unit = auto.budget_unit
+        cost = {d: config.replica_cost(d, unit) for d in counts}
+        _check_costs(unit, cost)
+        budget = float(auto.budget if auto.budget is not None else sum(n * cost[d] for d, n in counts.items()))
         floors = {d: auto.floors.get(d, 1) for d in counts}
-        if sum(floors.values()) > budget:
-            raise ValueError(f"autoscale budget {budget:g} is below the floors' sum {sum(floors.values())} ({floors})")
+        used = sum(f * cost[d] for d, f in floors.items())
+        if used > budget + 1e-9:
+            raise ValueError(f"autoscale budget {budget:g} {unit} is below what the floors use, {used:g} ({floors})")
         specs = []
         for name, count in counts.items():
             kind, _, rest = name.partition("-")
             pool = None if name.startswith("expert-pool-") else rest
-            room = math.floor(budget - sum(f for d, f in floors.items() if d != name) + 1e-9)
+            others = sum(f * cost[d] for d, f in floors.items() if d != name)
+            room = math.floor((budget - others) / cost[name] + 1e-9)
             ceiling = min(auto.ceilings.get(name, room), room)
             if ceiling < floors[name]:
                 raise ValueError(f"{name}: floor {floors[name]} is above its ceiling {ceiling} "
@@ -103,18 +125,19 @@ class AutoscalerSpec:
                                         min(max(count, floors[name]), ceiling)))
         return cls(budget, auto.interval_s, tuple(specs),
                    {p: (pc.ttft_slo_ms / 1e3, pc.tpot_slo_ms / 1e3) for p, pc in config.pools.items()},
-                   dict(auto.policy))
+                   dict(auto.policy), unit, {} if unit == "replicas" else cost)
 
     def to_json(self) -> dict:
         return {"budget": self.budget, "interval_s": self.interval_s,
                 "deployments": [asdict(d) for d in self.deployments], "slo": {p: list(v) for p, v in self.slo.items()},
-                "params": dict(self.params)}
+                "params": dict(self.params), "unit": self.unit, "cost": dict(self.cost)}
 
     @classmethod
     def from_json(cls, data: Mapping) -> AutoscalerSpec:
         return cls(float(data["budget"]), float(data["interval_s"]),
                    tuple(DeploymentSpec(**d) for d in data["deployments"]),
-                   {p: (float(v[0]), float(v[1])) for p, v in data["slo"].items()}, dict(data.get("params") or {}))
+                   {p: (float(v[0]), float(v[1])) for p, v in data["slo"].items()}, dict(data.get("params") or {}),
+                   str(data.get("unit", "replicas")), {k: float(v) for k, v in (data.get("cost") or {}).items()})
 
 
 def serve_autoscaling(config, settings: OpsSettings | None = None) -> tuple[dict, dict[str, dict]]:
@@ -231,11 +254,11 @@ class ServeAutoscalingPolicy:
 
     def _budget(self) -> Budget:
         total = self.settings.budget if self.settings.budget is not None else self.spec.budget
-        budget = Budget(total=total, floors={d.name: d.floor for d in self.spec.deployments},
+        budget = Budget(total=total, cost=dict(self.spec.cost), floors={d.name: d.floor for d in self.spec.deployments},
                         ceilings={d.name: d.ceiling for d in self.spec.deployments}, pins=dict(self.settings.pins))
-        floors = sum(budget.pins.get(d.name, d.floor) for d in self.spec.deployments)
-        if floors > total:
-            raise ValueError(f"budget {total:g} is below what the floors and pins cost ({floors})")
+        floors = sum(budget.pins.get(d.name, d.floor) * budget.cost_of(d.name) for d in self.spec.deployments)
+        if floors > total + 1e-9:
+            raise ValueError(f"budget {total:g} {self.spec.unit} is below what the floors and pins use ({floors:g})")
         return budget
 
     def __call__(self, contexts: Mapping) -> tuple[dict, dict]:
@@ -282,8 +305,8 @@ class ServeAutoscalingPolicy:
         else:
             decision = self.policy.decide(obs, self.budget)
         total = self.budget.total if self.budget is not None else self.spec.budget
-        status = {"time": time.time(), "paused": self.settings.paused, "budget": total,
-                  "spent": float(sum(decision.targets.values())),
+        status = {"time": time.time(), "paused": self.settings.paused, "budget": total, "unit": self.spec.unit,
+                  "spent": float(sum(n * self.spec.cost_of(d) for d, n in decision.targets.items())),
                   "deployments": {n: {"current": obs.signals[n].replicas, "target": decision.targets[n],
                                       "wanted": decision.wanted.get(n, decision.targets[n]),
                                       "pinned": n in self.settings.pins, "reason": decision.reasons[n]}

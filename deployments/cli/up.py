@@ -355,7 +355,7 @@ def _load_config(args: argparse.Namespace) -> tuple[PlatformConfig, str | None]:
                                  "front_end": "direct" if args.direct_ingress else args.front_end}.items()
                if v is not None}
     config = PlatformConfig.load({**config.model_dump(), **updates}).with_replicas(parse_replicas(args.replicas or []))
-    config = with_autoscale(config, args.autoscale, args.budget)
+    config = with_autoscale(config, args.autoscale, args.budget, args.budget_unit)
     if config.front_end == "haproxy":
         haproxy_binary()
     # serve_env lets the environment win: a value set there would leave the ports unserved
@@ -380,18 +380,21 @@ def _load_config(args: argparse.Namespace) -> tuple[PlatformConfig, str | None]:
     return config, new_key
 
 
-def with_autoscale(config: PlatformConfig, autoscale: bool, budget: float | None) -> PlatformConfig:
-    """``config`` with `--autoscale` (the autoscaler on) and `--budget N` (its replica budget; only
-    with `--autoscale`, or a config that turns it on). ValueError for a budget that cannot hold the
-    floors (it names them)."""
+def with_autoscale(config: PlatformConfig, autoscale: bool, budget: float | None,
+                   unit: str | None = None) -> PlatformConfig:
+    """``config`` with `--autoscale` (the autoscaler on), `--budget N` (its budget) and `--budget-unit`
+    (what the budget counts; both only with `--autoscale`, or a config that turns it on). ValueError for
+    a budget that cannot hold the floors (it names them), or a unit some deployment reserves none of."""
     from deployments.autoscaling.serve_policy import AutoscalerSpec
 
-    if not (autoscale or budget is not None):
+    if not (autoscale or budget is not None or unit is not None):
         return config
     enabled = autoscale or config.autoscale.enabled
     if not enabled:
-        raise ValueError("--budget sizes the autoscaler: add --autoscale (or autoscale.enabled: true in the config)")
-    update = {"enabled": True} | ({"budget": budget} if budget is not None else {})
+        flag = "--budget" if budget is not None else "--budget-unit"
+        raise ValueError(f"{flag} sizes the autoscaler: add --autoscale (or autoscale.enabled: true in the config)")
+    update = ({"enabled": True} | ({"budget": budget} if budget is not None else {})
+              | ({"budget_unit": unit} if unit is not None else {}))
     config = PlatformConfig.load({**config.model_dump(), "autoscale": {**config.autoscale.model_dump(), **update}})
     AutoscalerSpec.from_platform(config)  # a budget below the floors fails here, not in Serve's controller
     return config
@@ -551,8 +554,11 @@ def add_up_parser(sub) -> None:
                    help="run the autoscaler (Serve's application-level autoscaling policy, docs/autoscaling.md): "
                         "replica counts become initial counts")
     p.add_argument("--budget", type=float, default=None, metavar="N",
-                   help="with --autoscale: replicas all prefill, decode and expert-pool deployments may use together "
-                        "(default: the sum of the configured counts)")
+                   help="with --autoscale: what all prefill, decode and expert-pool deployments may use together, in "
+                        "--budget-unit (default: what the configured counts use)")
+    p.add_argument("--budget-unit", choices=("replicas", "cpus", "gpus"), default=None,
+                   help="with --autoscale: what the budget counts: replicas (default), or the Ray CPUs or GPUs their "
+                        "replicas reserve (replica_num_cpus, replica_resources in --config)")
     p.add_argument("--metrics-export-port", type=int, default=None,
                    help="Ray's metrics export port, which Prometheus scrapes (default 8085; a free one if taken)")
     p.add_argument("--prometheus-port", type=int, default=None,

@@ -153,6 +153,10 @@ def gpu_overlay(config: PlatformConfig) -> Overlay:
     groups.append(WorkerGroup("expert-pool", sum(counts[s] for s in shards), gpu, shards, node_selector=GPU_NODES,
                               tolerations=(GPU_TOLERATION,),
                               ports=tuple((f"expert-{s}", EXPERT_PORT + s) for s in range(config.expert_shards))))
+    # one GPU per engine and expert-pool replica (what an autoscale budget in gpus counts)
+    config = PlatformConfig.load({**config.model_dump(), "replica_resources": {
+        **{k: v.model_dump() for k, v in config.replica_resources.items()},
+        **{d: {"num_gpus": 1.0} for g in groups if g.resources.gpus for d in g.deployments}}})
     return Overlay("gpu", "production shape: GPU worker groups per pool's prefill and decode and for the expert pool",
                    config, head=Resources(4, 16, 2), groups=tuple(groups), trace_ratio=0.1, image_variant="-gpu")
 
@@ -169,9 +173,8 @@ def serve_config(overlay: Overlay) -> dict:
         limit = str(grpc_message_limit(config.model, config.max_model_len))
         for group in overlay.groups:
             for d in group.deployments:
-                options = {"num_cpus": config.replica_num_cpus}
-                if group.resources.gpus:
-                    options["num_gpus"] = 1
+                cpus, gpus = config.resources_of(d)
+                options = {"num_cpus": cpus, **({"num_gpus": gpus} if gpus else {})}
                 options["resources"] = {group.ray_resource: 1}
                 options["runtime_env"] = {"env_vars": {GRPC_LIMIT_ENV: limit}}
                 overrides.setdefault(d, {"name": d})["ray_actor_options"] = options

@@ -119,7 +119,9 @@ def test_deployment_options_cap_each_replica_at_what_its_engine_holds_and_bound_
     from deployments.app import build_app
     from deployments.workers.handoff import GRPC_LIMIT_ENV, grpc_message_limit
 
-    config = PlatformConfig(tenants_file=str(Path(__file__)))  # any existing file: no tenants file is created
+    config = PlatformConfig(tenants_file=str(Path(__file__)),  # any existing file: no tenants file is created
+                            replica_resources={"decode-highspeed": {"num_cpus": 2, "num_gpus": 1},
+                                               "ingress": {"num_cpus": 0.5}})
     app = build_app(config)
     deployments = {}
     stack = [app._bound_deployment]
@@ -140,6 +142,11 @@ def test_deployment_options_cap_each_replica_at_what_its_engine_holds_and_bound_
     for d in deployments.values():
         assert d._deployment_config.health_check_period_s == 2.0 and d._deployment_config.health_check_timeout_s == 10.0
         assert d.ray_actor_options["runtime_env"]["env_vars"] == {GRPC_LIMIT_ENV: str(limit)}
+    # what each replica reserves: replica_num_cpus, or its deployment's replica_resources
+    assert {name: (d.ray_actor_options["num_cpus"], d.ray_actor_options.get("num_gpus")) for name, d in
+            deployments.items()} == {"prefill-standard": (0.1, None), "decode-standard": (0.1, None),
+                                     "prefill-highspeed": (0.1, None), "decode-highspeed": (2.0, 1.0),
+                                     "ingress": (0.5, None), "cache-admin": (0.1, None)}
 
 
 def test_pool_timeouts_have_tier_defaults():

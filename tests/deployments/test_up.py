@@ -38,8 +38,15 @@ def test_autoscale_and_budget_flags_reach_the_config(tmp_path):
     assert app.autoscaling_policy["policy_kwargs"]["spec"]["budget"] == 5  # the configured counts' sum
     config, _ = up._load_config(parser.parse_args(common + ["--autoscale", "--budget", "7"]))
     assert (config.autoscale.enabled, config.autoscale.budget) == (True, 7)
+    config, _ = up._load_config(parser.parse_args(common + ["--autoscale", "--budget", "0.5", "--budget-unit", "cpus"]))
+    assert (config.autoscale.budget, config.autoscale.budget_unit) == (0.5, "cpus")  # 5 replicas of 0.1 CPU
     for extra, message in ((["--budget", "7"], "--budget sizes the autoscaler: add --autoscale"),
-                           (["--autoscale", "--budget", "3"], "autoscale budget 3 is below the floors' sum 4")):
+                           (["--budget-unit", "cpus"], "--budget-unit sizes the autoscaler: add --autoscale"),
+                           (["--autoscale", "--budget", "3"], "autoscale budget 3 replicas is below what the floors "
+                                                              "use, 4"),
+                           (["--autoscale", "--budget", "0.3", "--budget-unit", "cpus"],
+                            "autoscale budget 0.3 cpus is below what the floors use, 0.4"),
+                           (["--autoscale", "--budget-unit", "gpus"], "an autoscale budget in gpus cannot size")):
         with pytest.raises(ValueError, match=message):
             up._load_config(parser.parse_args(common + extra))
 

@@ -23,15 +23,18 @@ def fixed_config() -> dict:
     return yaml.safe_load(rs["spec"]["serveConfigV2"])
 
 
-def autoscaled_config(budget: float = 6, settings: OpsSettings | None = None) -> dict:
-    """The same application as `deltaserve up --autoscale --budget N` declares it."""
+def autoscaled_config(budget: float = 6, settings: OpsSettings | None = None, unit: str = "replicas",
+                      resources: dict | None = None) -> dict:
+    """The same application as `deltaserve up --autoscale --budget N [--budget-unit U]` declares it."""
     from deployments.autoscaling.serve_policy import serve_autoscaling
+    from deployments.config import PlatformConfig
 
     config = fixed_config()
     app = config["applications"][0]
     platform = ops.platform_config(app)
-    platform = platform.model_copy(update={"autoscale": platform.autoscale.model_copy(update={"enabled": True,
-                                                                                            "budget": budget})})
+    platform = PlatformConfig.load({**platform.model_dump(), "replica_resources": resources or {}, "autoscale": {
+        **platform.autoscale.model_dump(), "enabled": True, "budget": budget, "budget_unit": unit}})
+    app["args"] = platform.model_dump(mode="json")
     policy, per_deployment = serve_autoscaling(platform, settings)
     app["autoscaling_policy"] = policy
     app["deployments"] = [{"name": n, "autoscaling_config": c} for n, c in per_deployment.items()]
@@ -110,6 +113,24 @@ def test_a_pin_or_budget_that_does_not_fit_is_refused_with_the_numbers():
         ops.set_budget(config, "deltaserve", 0)
 
 
+def test_a_budget_in_cpus_counts_each_replicas_cpus():
+    """The cpu overlay reserves 0.5 CPU a replica; decode-standard's here reserve 1: the floors use 2.5 CPUs."""
+    config = autoscaled_config(budget=3, unit="cpus", resources={"decode-standard": {"num_cpus": 1}})
+    assert ops.bounds(app_of(config))["decode-standard"] == (1, 1)  # 3 - 1.5 for the others' floors: one replica
+    assert ops.bounds(app_of(config))["decode-highspeed"] == (1, 2)
+    assert ops.set_budget(config, "deltaserve", 4).message == "budget: 3 -> 4 cpus"
+    with pytest.raises(OpsError) as e:
+        ops.set_budget(config, "deltaserve", 2)
+    assert str(e.value) == ("budget 2 is below the 2.5 cpus of the replicas that pins and floors need "
+                            "(prefill-standard 1, decode-standard 1, prefill-highspeed 1, decode-highspeed 1)")
+    pinned = ops.scale(config, "deltaserve", "decode-highspeed", 2).config
+    with pytest.raises(OpsError, match=r"^budget 2.5 is below the 3 cpus of the replicas"):
+        ops.set_budget(pinned, "deltaserve", 2.5)
+    report = ops.build_status(config, "deltaserve", RuntimeView("RUNNING", {}), None, now=0.0)
+    assert ops.format_status(report).splitlines()[0].startswith(
+        "application deltaserve: RUNNING; autoscaler: on, budget 3 cpus, spent -")
+
+
 def test_drain_lists_the_replica_in_the_decode_deployments_user_config():
     config = fixed_config()
     running = view(**{"decode-standard": ["aaaa1111", "bbbb2222"], "prefill-standard": ["pppp0000"]})
@@ -158,7 +179,7 @@ def test_status_shows_each_deployments_target_and_the_signal_that_set_it():
                                             "requests_per_s": 1.25}})
     report = ops.build_status(config, "deltaserve", running, metrics, now=1003.0)
     text = ops.format_status(report).splitlines()
-    assert text[0] == "application deltaserve: RUNNING; autoscaler: on, budget 6, spent 5, last decision 3 s ago"
+    assert text[0] == "application deltaserve: RUNNING; autoscaler: on, budget 6 replicas, spent 5, last decision 3 s ago"
     rows = {line.split()[0]: line.split(None, 8) for line in text[3:7]}
     assert rows["decode-highspeed"] == ["decode-highspeed", "UPSCALING", "1", "2", "2", "-", "-", "-",
                                         "decode-highspeed: 1 -> 2: pinned at 2"]
@@ -166,8 +187,8 @@ def test_status_shows_each_deployments_target_and_the_signal_that_set_it():
     assert rows["prefill-standard"][1] == "MISSING" and rows["prefill-standard"][-1] == "no decision published yet"
     assert "standard    99.5%    0.500 s   0.050 s   1.25" in text
     assert "  decode-highspeed#h2  STARTING" in text
-    assert report.to_json()["autoscaler"] == {"mode": "on", "budget": 6.0, "spent": 5.0, "decided_s_ago": 3.0,
-                                              "note": ""}
+    assert report.to_json()["autoscaler"] == {"mode": "on", "budget": 6.0, "unit": "replicas", "spent": 5.0,
+                                              "decided_s_ago": 3.0, "note": ""}
 
 
 def test_a_decode_replica_listed_in_drain_fails_its_health_checks():

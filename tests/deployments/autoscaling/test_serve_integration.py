@@ -1,11 +1,12 @@
-"""The autoscaler runs inside Serve: on `deltaserve up --autoscale --budget 5`, Serve calls the
-application-level policy, applies its targets (seen as RUNNING replicas in serve.status), the policy
+"""The autoscaler runs inside Serve: on `deltaserve up --autoscale --budget 0.7 --budget-unit cpus`, Serve calls
+the application-level policy, applies its targets (seen as RUNNING replicas in serve.status), the policy
 publishes its decision with the signal that set each target, and settings re-applied with the config
 (a pin, a pause) are honoured. One platform for every check.
 
-standard's batch cap is 4 here, so 12 open streams ask for 12 / (0.85 x 4) -> 4 decode replicas; the
-budget 5 gives decode-standard a ceiling of 2 (Serve's max_replicas) once the other three deployments hold their
-floor of 1.
+The budget counts Ray CPUs: a replica reserves 0.1, a decode-standard one 0.2 (replica_resources). standard's
+batch cap is 4 here, so 12 open streams ask for 12 / (0.85 x 4) -> 4 decode replicas; once the other three
+deployments hold their floor of 1 (0.3 CPU), the 0.4 CPU left gives decode-standard a ceiling of 2 (Serve's
+max_replicas).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from deployments.autoscaling import live
 from deployments.autoscaling.settings import OpsSettings
 from tests.deployments.platform_fixture import MODELS, ray_driver, start_platform
 
-BUDGET = 5
+BUDGET = 0.7  # CPUs
 ENGINES = ("prefill-standard", "decode-standard", "prefill-highspeed", "decode-highspeed")
 POOL = {"max_num_seqs": 4, "max_num_batched_tokens": 256, "stream_interval_ms": 0}
 
@@ -32,8 +33,9 @@ def platform(tmp_path_factory):
     config = workdir / "platform.yaml"
     config.write_text(yaml.safe_dump({"pools": {"standard": POOL, "highspeed": POOL}, "autoscale": {"interval_s": 2,
         # the budget left after the wants stays unused: the targets below are the wants (the spare round: test_policy.py)
-        "policy": {"premium_headroom": 0}}}))
-    with start_platform(workdir, "--config", str(config), "--autoscale", "--budget", str(BUDGET)) as p, ray_driver(p):
+        "policy": {"premium_headroom": 0}}, "replica_resources": {"decode-standard": {"num_cpus": 0.2}}}))
+    with start_platform(workdir, "--config", str(config), "--autoscale", "--budget", str(BUDGET),
+                        "--budget-unit", "cpus") as p, ray_driver(p):
         yield p
 
 
@@ -82,14 +84,14 @@ def streams(platform, n: int, max_tokens: int, errors: list) -> list[threading.T
 
 def test_serve_calls_the_policy_and_applies_its_targets(platform):
     idle = status_where(lambda s: set(s["deployments"]) == set(ENGINES), 60, "a first published decision")
-    assert idle["budget"] == BUDGET and idle["paused"] is False
+    assert (idle["budget"], idle["unit"], idle["paused"]) == (BUDGET, "cpus", False)
     assert targets(idle) == dict.fromkeys(ENGINES, 1), idle
     assert all(d["reason"].startswith(f"{n}: 1 -> 1: ") for n, d in idle["deployments"].items()), idle
 
     errors: list[str] = []
     threads = streams(platform, 12, 400, errors)
-    # once the streams are all in, decode-standard wants 3 or more; its ceiling (the budget 5 less the other three
-    # deployments' floors) holds it at 2
+    # once the streams are all in, decode-standard wants 3 or more; its ceiling (the budget's 0.7 CPU less the other
+    # three deployments' floors, over its 0.2 a replica) holds it at 2
     loaded = status_where(lambda s: s["deployments"]["decode-standard"]["wanted"] >= 3, 90,
                           "decode-standard wanting 3 or more under 12 streams")
     decode = loaded["deployments"]["decode-standard"]
@@ -97,7 +99,7 @@ def test_serve_calls_the_policy_and_applies_its_targets(platform):
     assert "waiting" in decode["reason"] and "batch cap 4" in decode["reason"], decode
     assert targets(loaded) == {"prefill-standard": 1, "decode-standard": 2, "prefill-highspeed": 1,
                                "decode-highspeed": 1}, loaded
-    assert loaded["spent"] == BUDGET
+    assert loaded["spent"] == pytest.approx(BUDGET)  # 0.1 x 3 + 0.2 x 2 CPUs
     wait_for(lambda: running() == targets(loaded), 120, "Serve running the policy's targets")
     for t in threads:
         t.join(timeout=300)

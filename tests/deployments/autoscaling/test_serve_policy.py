@@ -141,11 +141,69 @@ def test_serve_config_pieces_from_the_platform_config():
 
 @pytest.mark.parametrize(("autoscale", "budget", "message"), [
     (False, 6, "--budget sizes the autoscaler: add --autoscale"),
-    (True, 3, "autoscale budget 3 is below the floors' sum 4"),
+    (True, 3, "autoscale budget 3 replicas is below what the floors use, 4"),
 ])
 def test_bad_budgets_are_named(autoscale, budget, message):
     with pytest.raises(ValueError, match=message):
         with_autoscale(PlatformConfig(), autoscale, budget)
+
+
+def cpu_budget_config(budget: float | None = 8, **autoscale) -> PlatformConfig:
+    """One CPU per replica, two for decode-standard's; the budget in CPUs."""
+    return with_autoscale(PlatformConfig.load({
+        "replica_num_cpus": 1, "replica_resources": {"decode-standard": {"num_cpus": 2}},
+        "autoscale": {"interval_s": 2, "policy": NO_SPARE, **autoscale}}), True, budget, "cpus")
+
+
+def test_a_budget_in_cpus_weighs_each_replica_by_what_it_reserves():
+    spec = AutoscalerSpec.from_json(serve_autoscaling(cpu_budget_config())[0]["policy_kwargs"]["spec"])
+    assert (spec.budget, spec.unit) == (8.0, "cpus")
+    assert spec.cost == {"prefill-standard": 1.0, "decode-standard": 2.0, "prefill-highspeed": 1.0,
+                         "decode-highspeed": 1.0}
+    # the floors use 5 CPUs: decode-standard may take the 3 left over its floor's 2 (one more replica), the others
+    # the 3 left over theirs and their own floor
+    assert {d.name: d.ceiling for d in spec.deployments} == {
+        "prefill-standard": 4, "decode-standard": 2, "prefill-highspeed": 4, "decode-highspeed": 4}
+    assert AutoscalerSpec.from_platform(cpu_budget_config(None)).budget == 5.0  # what the configured counts use
+    with pytest.raises(ValueError, match=r"autoscale budget 4 cpus is below what the floors use, 5"):
+        cpu_budget_config(4)
+
+
+def test_the_policy_keeps_the_targets_cpus_within_a_cpu_budget():
+    """decode-standard's load asks for three of its 2-CPU replicas; 8 CPUs hold the others' floors and two of them."""
+    policy, _ = serve_autoscaling(cpu_budget_config())
+    published: list[dict] = []
+    p = ServeAutoscalingPolicy(**policy["policy_kwargs"], publish=lambda b: published.append(json.loads(b)),
+                               clock=Clock())
+    decisions, _ = p(contexts({"running": 64}))  # 64 running + 8 queued vs 0.85 x 32 a replica: 3 replicas
+    assert decisions["id:decode-standard"] == 2 and decisions["id:prefill-standard"] == 1
+    status = published[-1]
+    assert (status["budget"], status["unit"], status["spent"]) == (8.0, "cpus", 7.0)
+    assert status["deployments"]["decode-standard"]["wanted"] == 3
+    assert status["deployments"]["decode-standard"]["reason"].endswith("; held at ceiling 2")
+    # highspeed first: its decode's 3 more 1-CPU replicas take what is left, and standard's second 2-CPU one is cut
+    p = ServeAutoscalingPolicy(**policy["policy_kwargs"], publish=lambda b: published.append(json.loads(b)),
+                               clock=Clock())
+    both = contexts({"running": 40})
+    both["id:decode-highspeed"] = ctx("decode-highspeed", 1, [report(running=12)])
+    decisions, _ = p(both)
+    assert (decisions["id:decode-highspeed"], decisions["id:decode-standard"]) == (4, 1)
+    assert published[-1]["spent"] == 8.0
+    assert published[-1]["deployments"]["decode-standard"]["reason"].endswith("; cut from 2 by the budget 8")
+
+
+def test_a_budget_in_gpus_needs_deployments_that_reserve_gpus():
+    with pytest.raises(ValueError, match="an autoscale budget in gpus cannot size decode-highspeed: its replicas "
+                                         "reserve no GPU"):
+        with_autoscale(PlatformConfig(), True, 4, "gpus")
+    with pytest.raises(ValueError, match="--budget-unit sizes the autoscaler: add --autoscale"):
+        with_autoscale(PlatformConfig(), False, None, "cpus")
+    gpus = PlatformConfig.load({"replica_resources": {
+        d: {"num_gpus": 1} for d in ("prefill-standard", "decode-standard", "prefill-highspeed", "decode-highspeed")}})
+    spec = AutoscalerSpec.from_platform(with_autoscale(gpus, True, None, "gpus"))
+    assert (spec.budget, spec.unit, set(spec.cost.values())) == (4.0, "gpus", {1.0})
+    with pytest.raises(ValueError, match="replica_resources names unknown deployment 'decode-fast'"):
+        PlatformConfig.load({"replica_resources": {"decode-fast": {"num_gpus": 1}}})
 
 
 def test_floors_and_ceilings_must_name_deployments_and_fit():
@@ -209,8 +267,8 @@ def test_the_policy_object_decides_per_interval_and_publishes_its_status():
     # 4 running + 8 queued in the ingress's handle vs 0.85 x batch cap 32: one replica is enough
     assert decisions == dict.fromkeys(contexts(), 1) and state == {}
     status = published[-1]
-    assert set(status) == {"time", "paused", "budget", "spent", "deployments"}
-    assert (status["budget"], status["spent"], status["paused"]) == (5.0, 4.0, False)
+    assert set(status) == {"time", "paused", "budget", "unit", "spent", "deployments"}
+    assert (status["budget"], status["unit"], status["spent"], status["paused"]) == (5.0, "replicas", 4.0, False)
     assert status["deployments"]["decode-standard"] == {
         "current": 1, "target": 1, "wanted": 1, "pinned": False,
         "reason": "decode-standard: 1 -> 1: waiting 8 + running 4 = 12 vs 0.85 x batch cap 32"}
@@ -244,7 +302,7 @@ def test_pins_cost_the_budget_and_pause_holds_every_target():
 @pytest.mark.parametrize(("settings", "message"), [
     ({"pins": {"decode-fast": 2}}, "unknown deployment 'decode-fast'"),
     ({"pins": {"decode-standard": 9}}, "decode-standard: pin 9 is outside its floor 1 and ceiling 2"),
-    ({"budget": 3}, "budget 3 is below what the floors and pins cost"),
+    ({"budget": 3}, "budget 3 replicas is below what the floors and pins use"),
     ({"paused": "yes"}, "paused must be true or false"),
 ])
 def test_bad_settings_hold_the_targets_and_say_why(settings, message):

@@ -123,18 +123,19 @@ def surge_trace(shape: SurgeShape) -> list[TraceRequest]:
 REPLAY_INTERVAL_S = 2.0  # the autoscaler's tick in the replay (the default 5 s is a sixth of the 30 s target)
 
 
-def live_params(shape: SurgeShape) -> DeltaserveParams:
+def live_params(shape: SurgeShape, premium_headroom: int = DeltaserveParams().premium_headroom) -> DeltaserveParams:
     """The autoscaler's parameters for a compressed replay: its cooldowns in the replay's seconds (the
-    defaults are for real time: 600 s down cooldown, 120 s sustained average). The live platform gets them
-    through its config's ``autoscale.policy`` (:func:`live_config`), the simulator as the policy's params."""
-    return DeltaserveParams(down_cooldown_s=20.0, sustained_tau_s=15.0)
+    defaults are for real time: 600 s down cooldown, 120 s sustained average), and the premium pool's spare
+    replicas (``--premium-headroom``). The live platform gets them through its config's ``autoscale.policy``
+    (:func:`live_config`), the simulator as the policy's params."""
+    return DeltaserveParams(down_cooldown_s=20.0, sustained_tau_s=15.0, premium_headroom=premium_headroom)
 
 
-def live_config(shape: SurgeShape) -> dict:
+def live_config(shape: SurgeShape, premium_headroom: int = DeltaserveParams().premium_headroom) -> dict:
     """The platform config overrides of the autoscaled run: the replay's tick and policy parameters. Without
     them `deltaserve up --autoscale` runs the real-time defaults: standard's sustained share stays held by the
     600 s down cooldown, so highspeed's extra replicas wait for its slow average (120 s) to rise."""
-    p, d = live_params(shape), DeltaserveParams()
+    p, d = live_params(shape, premium_headroom), DeltaserveParams()
     return {"autoscale": {"interval_s": REPLAY_INTERVAL_S,
                           "policy": {k: v for k, v in asdict(p).items() if v != getattr(d, k)}}}
 
@@ -308,7 +309,7 @@ def measure_live_startup(platform, deployment: str, n: int, *, idle_s: float = 5
 
 
 def run_live(mode: str, requests: list[TraceRequest], split: dict[str, int], budget: int, poll_s: float,
-             workdir: Path, shape: SurgeShape, calibrate=None) -> dict:
+             workdir: Path, shape: SurgeShape, calibrate=None, headroom: int = DeltaserveParams().premium_headroom) -> dict:
     """One `deltaserve up` (static split, or --autoscale from it with :func:`live_config`), the replay, the
     replica timeline. ``calibrate(url, key)``, when given, runs on the idle platform before the replay (the
     ingress measurement); its result is returned as ``calibration``."""
@@ -318,7 +319,7 @@ def run_live(mode: str, requests: list[TraceRequest], split: dict[str, int], bud
     if mode == "autoscale":
         (workdir / mode).mkdir(parents=True, exist_ok=True)
         cfg = workdir / mode / "platform.json"
-        cfg.write_text(json.dumps(live_config(shape)))
+        cfg.write_text(json.dumps(live_config(shape, headroom)))
         args += ["--autoscale", "--budget", str(budget), "--config", str(cfg)]
     started = time.perf_counter()
     with start_platform(workdir / mode, *args) as platform, ray_driver(platform):
@@ -334,7 +335,7 @@ def run_live(mode: str, requests: list[TraceRequest], split: dict[str, int], bud
         log_tail = platform.output[-40:]
     shown = [a if not a.endswith("platform.json") else "autoscale_live_config.json" for a in args]
     return {"mode": mode, "args": shown, "ready_s": ready_s, "warm_errors": [o.error for o in warm if o.error],
-            "config": live_config(shape) if mode == "autoscale" else None, "calibration": calibration,
+            "config": live_config(shape, headroom) if mode == "autoscale" else None, "calibration": calibration,
             "outcomes": [asdict(o) | {"aborted": o.aborted} for o in outcomes],
             "replicas": [{"t": t, **c} for t, c in poller.samples], "decisions": poller.decisions,
             "log_tail": log_tail}
@@ -507,6 +508,9 @@ def main() -> int:
     ap.add_argument("--highspeed-output", type=int, default=SurgeShape.highspeed_output,
                     help="output tokens of each highspeed request (default %(default)s); long outputs make the surge "
                          "bound by decode slots (highspeed's max_num_seqs per replica) rather than by the CPU")
+    ap.add_argument("--premium-headroom", type=int, default=DeltaserveParams().premium_headroom,
+                    help="the autoscaled run's spare replicas per highspeed deployment (default %(default)s); with 0 "
+                         "highspeed holds only what its signals want, so a surge moves replicas to it")
     ap.add_argument("--out", default=str(RESULTS_DIR), help="directory for autoscale_live.{json,md,png}")
     ap.add_argument("--reuse", default=None, metavar="JSON",
                     help="take the live runs of an earlier run's JSON (same trace) for the modes not run now")
@@ -547,7 +551,7 @@ def main() -> int:
             for i, mode in enumerate(m.strip() for m in args.modes.split(",") if m.strip()):
                 print(f"autoscale_live: live run {mode}", file=sys.stderr, flush=True)
                 runs[mode] = run_live(mode, requests, split, args.budget, args.poll_s, work, shape,
-                                      calibrate if i == 0 else None)
+                                      calibrate if i == 0 else None, args.premium_headroom)
                 if runs[mode]["calibration"]:
                     profile_data["ingress"] = runs[mode]["calibration"]["ingress"] | {"measured_in": mode}
                     profile_data["replica_startup"] = (profile_data["replica_startup"]
@@ -557,7 +561,8 @@ def main() -> int:
                   "without them", file=sys.stderr)
         (work / "profile_live.json").write_text(json.dumps(profile_data))
         shared = load_profile(work / "profile_live.json")
-        policies = {"static": lambda: StaticPolicy(split), "autoscale": lambda: DeltaservePolicy(live_params(shape))}
+        policies = {"static": lambda: StaticPolicy(split),
+                    "autoscale": lambda: DeltaservePolicy(live_params(shape, args.premium_headroom))}
         sims = {m: predict(requests, make(), shared, config, args.budget, interval, split, m)
                 for m, make in policies.items()}
         abstract = {m: predict(requests, make(), profile, config, args.budget, interval, split, m, machine_share=False)
@@ -575,9 +580,11 @@ def main() -> int:
     command = COMMAND + "".join(f" --{flag} {value:g}" for flag, value, base in (
         ("surge-rate", shape.highspeed_surge_rate, default.highspeed_surge_rate),
         ("highspeed-prompt", shape.highspeed_prompt, default.highspeed_prompt),
-        ("highspeed-output", shape.highspeed_output, default.highspeed_output)) if value != base)
+        ("highspeed-output", shape.highspeed_output, default.highspeed_output),
+        ("premium-headroom", args.premium_headroom, DeltaserveParams().premium_headroom)) if value != base)
     record = {"command": command, "shape": asdict(shape), "budget": args.budget, "static_split": split,
-              "live_params": asdict(live_params(shape)), "profile": profile_data, "requests": len(requests),
+              "live_params": asdict(live_params(shape, args.premium_headroom)), "profile": profile_data,
+              "requests": len(requests),
               "predicted": predicted, "predicted_abstract": predicted_abstract, "measured": measured, "comparisons": comparisons, "surge_timing": timing, "decision_timing": decided,
               "surge_timing_predicted": timing_pred, "runs": runs,
               "predicted_replicas": {m: sim_samples(r) for m, r in sims.items()}}
@@ -631,7 +638,7 @@ def report(rec: dict, config: PlatformConfig) -> str:
               f"highspeed {shape.highspeed_rate:g} req/s ({shape.highspeed_prompt} / {shape.highspeed_output}), "
               f"{shape.highspeed_surge_rate:g} req/s from {shape.surge_start_s:g} s to {shape.surge_end_s:g} s. "
               f"Budget {rec['budget']} engine replicas; static split {rec['static_split']}. Autoscaler parameters for "
-              f"the compressed replay: {({k: v for k, v in rec['live_params'].items() if k in ('down_cooldown_s', 'sustained_tau_s')})}. "
+              f"the compressed replay: {({k: v for k, v in rec['live_params'].items() if k in ('down_cooldown_s', 'sustained_tau_s', 'premium_headroom')})}. "
               f"Profile: measured on this machine (loadavg {rec['profile']['machine'].get('loadavg_1m')}, "
               f"{rec['profile']['machine'].get('time_utc')}: prefill {rec['profile']['prefill']['coef']}, decode "
               f"{rec['profile']['decode']['coef']}, start-up {rec['profile']['replica_startup']['seconds']:.2f} s)."),
@@ -685,11 +692,21 @@ def report(rec: dict, config: PlatformConfig) -> str:
                       "request, measured vs predicted: " + "; ".join(
                           f"{m} {p}: {v['measured']:.3g} s vs {v['predicted']:.3g} s ({v['measured'] / v['predicted']:.1f}x)"
                           for (m, p), v in quiet.items() if v["predicted"])]
+    used = {m: replica_seconds(r["replicas"]) for m, r in rec["runs"].items() if r.get("replicas")}
+    if used:
+        lines += ["", "Engine replica-seconds over the replay (running replicas as sampled, from the first request to "
+                      "the last sample): " + ", ".join(f"{m} {v:.0f}" for m, v in used.items()) + "."]
     if "autoscale" in rec["measured"] and "static" in rec["measured"]:
         a, s = rec["measured"]["autoscale"]["highspeed"], rec["measured"]["static"]["highspeed"]
         lines += ["", (f"Highspeed attainment, same trace, same budget: autoscale {a['slo_attainment']:.3f} vs static "
                        f"{s['slo_attainment']:.3f}.")]
     return "\n".join(lines)
+
+
+def replica_seconds(samples: list[dict]) -> float:
+    """Engine replicas x seconds over the replay: each sample's count held until the next (from time 0)."""
+    points = sorted((max(0.0, x["t"]), sum(v for k, v in x.items() if k != "t")) for x in samples)
+    return sum(n * (t1 - t0) for (t0, n), (t1, _) in zip(points, points[1:]))
 
 
 if __name__ == "__main__":

@@ -281,6 +281,23 @@ class Frontend:
         head = encode_chat(self.tokenizer, turns[:k], add_generation_prompt=False)
         return ids, ((len(head),) if 0 < len(head) < len(ids) and ids[: len(head)] == head else ())
 
+    def _admit(self, inp: CompletionInput, tenant: Tenant, pool: str) -> tuple[list[int], tuple[int, ...], int, int]:
+        """In a worker thread: tokenize, check the context and reserve the tenant's rate limits (with shared
+        limits a Redis round trip), so that the event loop reads the other requests meanwhile. (prompt ids, cache
+        checkpoint, max_tokens, limiter reservation); every error raises here."""
+        ids, checkpoint_at = self._encode(inp)
+        if not ids:
+            raise BadRequest("the prompt is empty", param="prompt")
+        limit = min(tenant.max_context, self.max_model_len)
+        max_tokens = limit - len(ids) if inp.max_tokens is None else inp.max_tokens
+        if max_tokens < 1 or len(ids) + max_tokens > limit:
+            raise BadRequestError(
+                f"This model's maximum context length for this tenant is {limit} tokens. However, you requested "
+                f"{len(ids) + max(max_tokens, 1)} tokens ({len(ids)} in the prompt, {max(max_tokens, 1)} for the completion).",
+                code="context_length_exceeded", param="max_tokens" if len(ids) < limit else "prompt")
+        reservation = self.limiter.acquire(tenant, len(ids) + inp.n * max_tokens, pool=pool)
+        return ids, checkpoint_at, max_tokens, reservation
+
     def system_prompt_end(self, inp: CompletionInput) -> tuple[int, ...]:
         """Token position where the leading system message(s) end, when more follows: sessions of
         one tenant that share a system prompt then share a cache checkpoint there."""
@@ -297,22 +314,12 @@ class Frontend:
         record.pool = pool
         check_pool(tenant, pool)
         self._check_shape(inp)
-        ids, checkpoint_at = await asyncio.to_thread(self._encode, inp)
-        if not ids:
-            raise BadRequest("the prompt is empty", param="prompt")
-        limit = min(tenant.max_context, self.max_model_len)
-        max_tokens = limit - len(ids) if inp.max_tokens is None else inp.max_tokens
-        if max_tokens < 1 or len(ids) + max_tokens > limit:
-            raise BadRequestError(
-                f"This model's maximum context length for this tenant is {limit} tokens. However, you requested "
-                f"{len(ids) + max(max_tokens, 1)} tokens ({len(ids)} in the prompt, {max(max_tokens, 1)} for the completion).",
-                code="context_length_exceeded", param="max_tokens" if len(ids) < limit else "prompt")
+        ids, checkpoint_at, max_tokens, reservation = await asyncio.to_thread(self._admit, inp, tenant, pool)
         seeds = [None if inp.seed is None else inp.seed + i for i in range(inp.n)]
         params = tuple(SamplingParams(temperature=inp.temperature, top_p=inp.top_p, seed=s,
                                       presence_penalty=inp.presence_penalty, frequency_penalty=inp.frequency_penalty,
                                       logprobs=inp.logprobs) for s in seeds)
         stop_ids = () if inp.ignore_eos else stop_token_ids(self.tokenizer, chat=inp.messages is not None)
-        reservation = self.limiter.acquire(tenant, len(ids) + inp.n * max_tokens, pool=pool)
         timeout = self.timeout_s(pool)
         keys = () if self.affinity_block_size is None or not inp.affinity else routing_keys(
             tenant_salt=tenant.cache_salt, client_salt=inp.cache_salt, session_id=inp.session_id, prompt_ids=ids,
@@ -354,7 +361,7 @@ class Frontend:
                 if isinstance(ev, Finished):
                     finished.append(ev)
                     if len(finished) == inp.n:  # before the last event: a client may stop reading after it
-                        self._account(plan, inp.n, reservation, span, finished)
+                        await self._account(plan, inp.n, reservation, span, finished)
                         accounted = True
                         self._finish_record(record, finished)
                         self._observe(record)
@@ -390,11 +397,14 @@ class Frontend:
         if u.completion_tokens > len(finished) and u.output_tokens_per_s > 0:
             record.tpot_s = 1.0 / u.output_tokens_per_s
 
-    def _account(self, plan: _Plan, n: int, reservation: int, span, finished: list[Finished]) -> None:
-        """A served request: refund the unused reservation, count usage, finish the span's attributes."""
+    async def _account(self, plan: _Plan, n: int, reservation: int, span, finished: list[Finished]) -> None:
+        """A served request: refund the unused reservation (in a worker thread: with shared limits a Redis round
+        trip, which would hold every other stream's events), count usage, finish the span's attributes."""
         n_out = sum(f.usage.completion_tokens for f in finished)
         cached = finished[0].usage.cached_tokens
-        self.limiter.refund(plan.tenant, max(0, n * plan.max_tokens - n_out), reservation)
+        unused = max(0, n * plan.max_tokens - n_out)
+        if unused:
+            await asyncio.to_thread(self.limiter.refund, plan.tenant, unused, reservation)
         self.usage.record(plan.tenant.name, prompt_tokens=len(plan.ids), completion_tokens=n_out, cached_tokens=cached)
         span.set_attribute("deltaserve.completion_tokens", n_out)
         span.set_attribute("deltaserve.cached_tokens", cached)

@@ -4,19 +4,29 @@ Two :class:`SharedRateLimiter` instances stand for two ingress replicas. Driven 
 admissions, refunds and clock steps, alternating between them, they must give exactly what one
 in-memory :class:`RateLimiter` gives for the same script: the same admissions and refusals, the
 same ``retry_after_s`` to the float and the same messages. With Redis stopped, each admits its
-share (limit / replicas) and no more.
+share (limit / replicas) and no more. A stalled Redis holds neither the frontend's event loop nor its
+admissions.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 
 import pytest
 import redis
 
 from cache_service import CircuitBreaker, LocalRedisServer, RedisStore
+from deployments.config import PlatformConfig
 from deployments.gateway.errors import BadRequestError, RateLimitedError
-from deployments.tenancy import RateLimiter, SharedRateLimiter, Tenant, make_rate_limiter
+from deployments.gateway.frontend import Frontend
+from deployments.gateway.protocol import CompletionInput, Finished
+from deployments.tenancy import RateLimiter, SharedRateLimiter, Tenant, TenantRegistry, make_rate_limiter
+from deployments.workers.decode import Decode
+from deployments.workers.local import LocalBackend
+from deployments.workers.prefill import Prefill
+from model import load_tokenizer
 
 
 class Clock:
@@ -175,3 +185,52 @@ def test_make_rate_limiter(url):
     assert shared.acquire(t, 1) == 1 and shared.usage(t) == (1, 1)
     with pytest.raises(ValueError, match="replicas must be an integer >= 1, got 0"):
         RateLimiter(replicas=0)
+
+
+def test_a_stalled_redis_holds_neither_the_ingress_event_loop_nor_the_admission(url, tmp_path):
+    """The frontend reserves a request's shared rate limits (a Redis round trip) in a worker thread: while
+    redis-server is paused (CLIENT PAUSE), the frontend's event loop keeps running (a ticker on it sees no long
+    gap), and the request is admitted from the shared window once Redis answers, then served."""
+    model, stall_s = "tiny-k3", 0.6
+    reg = TenantRegistry()
+    _, key = reg.add("acme", pools=["standard"], rpm=1000, tpm=1_000_000, max_context=1024)
+    reg.save(tmp_path / "tenants.yaml")
+    config = PlatformConfig(model=model, tenants_file=str(tmp_path / "tenants.yaml"), num_slots=2,
+                            cache={"enabled": False})
+    limiter = SharedRateLimiter(RedisStore(url, timeout_s=5.0, breaker=CircuitBreaker(1, 30.0)), 1)
+    frontend = Frontend(model_name=model, pools=["standard"], tokenizer=load_tokenizer(model),
+                        registry=TenantRegistry.from_file(config.tenants_file), limiter=limiter,
+                        backend=LocalBackend({"standard": Prefill(config, "standard")},
+                                             {"standard": Decode(config, "standard")}),
+                        max_model_len=config.max_model_len)
+    inp = CompletionInput(model=model, prompt="hello", max_tokens=4, temperature=0)
+
+    async def run() -> tuple[list[float], float, list]:
+        assert isinstance([ev async for ev in frontend.complete(key, inp)][-1], Finished)  # warm: script loaded
+        gaps: list[float] = []
+        stop = asyncio.Event()
+
+        async def ticker() -> None:
+            last = time.monotonic()
+            while not stop.is_set():
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        tick = asyncio.create_task(ticker())
+        pauser = redis.Redis.from_url(url)
+        pauser.execute_command("CLIENT", "PAUSE", int(stall_s * 1000), "ALL")
+        t0 = time.monotonic()
+        events = [ev async for ev in frontend.complete(key, inp)]
+        served_s = time.monotonic() - t0
+        stop.set()
+        await tick
+        pauser.close()
+        return gaps, served_s, events
+
+    gaps, served_s, events = asyncio.run(run())
+    assert isinstance(events[-1], Finished) and events[-1].usage.completion_tokens >= 1
+    assert served_s >= stall_s - 0.15, served_s  # its reservation waited for Redis ...
+    assert limiter.fallbacks == 0 and limiter.usage("acme")[0] == 2  # ... and was taken from the shared window
+    assert max(gaps) < 0.3, max(gaps)  # while the event loop kept running

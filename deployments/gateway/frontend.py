@@ -361,10 +361,13 @@ class Frontend:
                 if isinstance(ev, Finished):
                     finished.append(ev)
                     if len(finished) == inp.n:  # before the last event: a client may stop reading after it
-                        await self._account(plan, inp.n, reservation, span, finished)
+                        unused = self._account(plan, inp.n, span, finished)
                         accounted = True
                         self._finish_record(record, finished)
                         self._observe(record)
+                        if unused:  # a worker thread: with shared limits a Redis round trip, which would hold every
+                            # other stream's events; the refund completes even if this stream is cancelled meanwhile
+                            await asyncio.to_thread(self.limiter.refund, plan.tenant, unused, reservation)
                 yield ev
         except BaseException as e:
             if not accounted:
@@ -397,18 +400,16 @@ class Frontend:
         if u.completion_tokens > len(finished) and u.output_tokens_per_s > 0:
             record.tpot_s = 1.0 / u.output_tokens_per_s
 
-    async def _account(self, plan: _Plan, n: int, reservation: int, span, finished: list[Finished]) -> None:
-        """A served request: refund the unused reservation (in a worker thread: with shared limits a Redis round
-        trip, which would hold every other stream's events), count usage, finish the span's attributes."""
+    def _account(self, plan: _Plan, n: int, span, finished: list[Finished]) -> int:
+        """A served request: count usage, finish the span's attributes; the reserved tokens it did not use (the
+        caller refunds them)."""
         n_out = sum(f.usage.completion_tokens for f in finished)
         cached = finished[0].usage.cached_tokens
-        unused = max(0, n * plan.max_tokens - n_out)
-        if unused:
-            await asyncio.to_thread(self.limiter.refund, plan.tenant, unused, reservation)
         self.usage.record(plan.tenant.name, prompt_tokens=len(plan.ids), completion_tokens=n_out, cached_tokens=cached)
         span.set_attribute("deltaserve.completion_tokens", n_out)
         span.set_attribute("deltaserve.cached_tokens", cached)
         span.set_attribute("deltaserve.replica", finished[-1].replica)
+        return max(0, n * plan.max_tokens - n_out)
 
     def _remaining(self, plan: _Plan) -> float:
         left = plan.deadline - time.monotonic()

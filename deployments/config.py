@@ -347,9 +347,7 @@ class PlatformConfig(_Strict):
 
     def deployment_names(self) -> list[str]:
         """Every deployment of the application: the engine and expert-pool ones, the ingress and cache-admin."""
-        shards = [f"expert-pool-{s}" for s in range(self.expert_shards)] if self.expert_mode == "pool" else []
-        return [f"{kind}-{pool}" for pool in self.pools for kind in ("prefill", "decode")] + shards + [
-            "cache-admin", "ingress"]
+        return [*self.replica_counts(), "cache-admin", "ingress"]
 
     def resources_of(self, deployment: str) -> tuple[float, float]:
         """(Ray CPUs, GPUs) one replica of ``deployment`` reserves."""

@@ -461,12 +461,39 @@ def _start_prometheus(metrics: MetricsConfig):
         return None
 
 
-def _shutdown_ray() -> None:
+def _shutdown_ray(signals: list[int]) -> None:
+    """Serve's applications and actors, then the local Ray cluster. ``signals``: what stopped `deltaserve up`. A
+    SIGHUP or SIGTERM sent to the whole process group (a closing terminal, `timeout`) ends Ray's GCS and raylet too
+    (SIGINT, which Ctrl-C sends the group, does not), and Serve's controller, which outlives them, can then remove no
+    actor: ``serve.shutdown()`` would wait its 30 s in vain. Without them only ``ray.shutdown()`` is left to do; the
+    workers exit on their own once their raylet is gone."""
     import ray
     from ray import serve
 
-    serve.shutdown()
+    dead = _ray_daemons_dead(wait_s=1.0 if set(signals) & {signal.SIGHUP, signal.SIGTERM} else 0.0)
+    if dead:
+        print(f"deltaserve: Ray's {' and '.join(dead)} already exited: stopping what is left", flush=True)
+    else:
+        serve.shutdown()
     ray.shutdown()
+
+
+def _ray_daemons_dead(wait_s: float) -> list[str]:
+    """Which of the local cluster's GCS and raylet (started by this process's ``ray.init``) have exited, waiting up
+    to ``wait_s`` for one to: a signal to the process group reaches them as it reaches us, but they may not have run
+    since."""
+    from ray._private import ray_constants
+    from ray._private.worker import _global_node
+
+    if _global_node is None:
+        return []
+    daemons = {ray_constants.PROCESS_TYPE_GCS_SERVER, ray_constants.PROCESS_TYPE_RAYLET}
+    deadline = time.monotonic() + wait_s
+    while True:
+        dead = sorted({kind for kind, _ in _global_node.dead_processes()} & daemons)
+        if dead or time.monotonic() >= deadline:
+            return dead
+        time.sleep(0.02)
 
 
 def up(args: argparse.Namespace) -> int:
@@ -498,7 +525,8 @@ def up(args: argparse.Namespace) -> int:
               flush=True)
         t0 = time.time()
         start(config, metrics_export_port=metrics.export_port, progress=lambda line: print(line, flush=True))
-        running.callback(_shutdown_ray)
+        signals: list[int] = []  # what stopped it (set below)
+        running.callback(_shutdown_ray, signals)
         prometheus = _start_prometheus(metrics)
         if prometheus is not None:
             running.callback(prometheus.stop)
@@ -507,7 +535,7 @@ def up(args: argparse.Namespace) -> int:
         # SIGHUP too: a closing terminal stops the platform as Ctrl-C does (its default ends the process at once,
         # leaving Serve's HAProxy, redis-server and Ray's agents running)
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, lambda *_: stop.set())
+            signal.signal(sig, lambda signum, _: (signals.append(signum), stop.set()))
         stop.wait()
         print("deltaserve: shutting down...", flush=True)
     print("deltaserve: stopped", flush=True)

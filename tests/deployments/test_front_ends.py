@@ -225,7 +225,8 @@ def test_haproxy_front_end_listens_on_loopback_only_and_answers_across_an_ingres
     routes to Serve's proxy actor while no ingress replica is up, and it holds them until the replacement is.
     Clients that never finish sending a request get 408 after ``RequestLimits.body_timeout_s`` while others are
     served. SIGHUP to the platform's whole process group, as a closing terminal sends it (every process of Ray's gets
-    it too), stops `deltaserve up` as Ctrl-C does and leaves no HAProxy behind: it dies with its manager actor."""
+    it too), stops `deltaserve up` as Ctrl-C does, within seconds, and leaves no HAProxy behind: it dies with its
+    manager actor."""
     timeout_s = RequestLimits().body_timeout_s
     with deltaserve_up(["--tenants", str(tmp_path / "tenants.yaml"), "--no-cache"], env={"DELTASERVE_API_KEY": KEY},
                        group_signal=signal.SIGHUP) as up:
@@ -266,6 +267,9 @@ def test_haproxy_front_end_listens_on_loopback_only_and_answers_across_an_ingres
         haproxy = [p for p in descendants(up.proc.pid)
                    if Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].endswith(b"/haproxy")]
     assert not files.exists(), "deltaserve up left HAProxy's files behind"
+    # Ray's GCS and raylet got the SIGHUP too: it does not wait out serve.shutdown()'s 30 s for a controller that
+    # can no longer remove anything (deployments.cli.up._shutdown_ray)
+    assert up.stop_s < 20, f"deltaserve up took {up.stop_s:.0f} s to stop after the SIGHUP"
     deadline = time.monotonic() + 10
     while (left := [p for p in haproxy if process_running(p)]) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -55,6 +55,7 @@ class UpProcess:
     metrics_export_port: int  # Ray's metrics export port (a free one per run, never 8085)
     prometheus_port: int | None  # the embedded Prometheus (a free one, never 9090); None: --no-prometheus
     output: list[str] = field(default_factory=list)  # every line it printed so far (stdout and stderr)
+    stop_s: float | None = None  # seconds from the stop signal to its exit (set once stopped)
 
     @property
     def prometheus_url(self) -> str:
@@ -138,6 +139,7 @@ def deltaserve_up(args: list[str], env: dict[str, str] | None = None, ready_s: f
             assert "Prometheus: off" in ready and not up.prometheus_pids(), ready
         yield up
     finally:
+        t_stop = time.monotonic()
         if group_signal is not None:
             os.killpg(proc.pid, group_signal)
         else:
@@ -147,6 +149,7 @@ def deltaserve_up(args: list[str], env: dict[str, str] | None = None, ready_s: f
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
+        up.stop_s = time.monotonic() - t_stop
         reader.join(timeout=10)  # to the end of its output: the last lines come after the exit
         while not lines.empty():
             up.output.append(lines.get())

@@ -461,6 +461,16 @@ def _start_prometheus(metrics: MetricsConfig):
         return None
 
 
+DAEMON_POLL_S = 1.0  # how often a running `deltaserve up` checks that Ray's GCS and raylet are alive
+
+
+def _ray_logs_dir() -> str:
+    """The local cluster's log directory (its GCS and raylet write there why they exited)."""
+    from ray._private.worker import _global_node
+
+    return _global_node.get_logs_dir_path() if _global_node is not None else "the Ray session directory"
+
+
 def _shutdown_ray(signals: list[int]) -> None:
     """Serve's applications and actors, then the local Ray cluster. ``signals``: what stopped `deltaserve up`. A
     SIGHUP or SIGTERM sent to the whole process group (a closing terminal, `timeout`) ends Ray's GCS and raylet too
@@ -536,10 +546,18 @@ def up(args: argparse.Namespace) -> int:
         # leaving Serve's HAProxy, redis-server and Ray's agents running)
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, lambda signum, _: (signals.append(signum), stop.set()))
-        stop.wait()
+        lost: list[str] = []
+        while not stop.wait(DAEMON_POLL_S):  # a platform whose GCS or raylet died serves nothing: say so and stop
+            dead = _ray_daemons_dead(wait_s=0.0)
+            # (a SIGHUP or SIGTERM to the whole group ends them too and reaches us at once: that is a stop)
+            if dead and not stop.wait(0.2):
+                lost = dead
+                print(f"deltaserve: Ray's {' and '.join(lost)} exited unexpectedly: the platform can no longer "
+                      f"serve; stopping (Ray's logs: {_ray_logs_dir()})", file=sys.stderr, flush=True)
+                break
         print("deltaserve: shutting down...", flush=True)
     print("deltaserve: stopped", flush=True)
-    return 0
+    return 1 if lost else 0
 
 
 def _print_ready(config: PlatformConfig, new_key: str | None, took_s: float, prometheus_url: str | None) -> None:

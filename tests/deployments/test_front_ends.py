@@ -3,9 +3,10 @@
 The default, HAProxy in front of the ingress replicas' own servers: every socket HAProxy listens on is on 127.0.0.1,
 and requests keep being answered while a killed ingress replica is replaced. ``--direct-ingress``: the ingress
 replica serves HTTP and gRPC itself on the configured ports, on 127.0.0.1 only, and one that dies is replaced on the
-same ports. Through HAProxy to the ingress replica's own servers (the ones `--direct-ingress` puts on the ports),
-streams, hang-ups, errors, gRPC health and reflection behave as through Serve's proxy (which the rest of the suite's
-platforms no longer use: tests/deployments/test_long_prompts.py runs `--front-end proxy`)."""
+same ports; when Ray's raylet dies, `deltaserve up` says so and exits 1. Through HAProxy to the ingress replica's own
+servers (the ones `--direct-ingress` puts on the ports), streams, hang-ups, errors, gRPC health and reflection behave
+as through Serve's proxy (which the rest of the suite's platforms no longer use: tests/deployments/test_long_prompts.py
+runs `--front-end proxy`)."""
 
 from __future__ import annotations
 
@@ -162,6 +163,21 @@ def test_direct_ingress_serves_http_and_grpc_on_the_configured_ports(tmp_path):
         assert successor and successor != ingress
         assert _listening_pid(up.http_port, descendants(up.proc.pid)) == successor[0]
         assert client.completions.create(model="k3-tiny", prompt="again", max_tokens=3).usage.completion_tokens == 3
+
+        # Ray's raylet dies (killed, as the OOM killer would): `deltaserve up` says so and stops, exit status 1,
+        # rather than staying up in front of a platform that can no longer serve
+        processes = descendants(up.proc.pid)
+        raylet = next(p for p in processes if Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].endswith(b"/raylet"))
+        os.kill(raylet, signal.SIGKILL)
+        t_kill = time.monotonic()
+        assert up.proc.wait(timeout=60) == 1
+        up.expected_rc = 1
+        assert time.monotonic() - t_kill < 30
+    assert any("raylet exited unexpectedly" in ln for ln in up.output), "".join(up.output[-20:])
+    deadline = time.monotonic() + 30
+    while (left := [p for p in processes if process_running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"processes of the platform outlived it: {left}"
 
 
 def _answered_after_kill(pid: int, base: str) -> tuple[float, list]:

@@ -56,6 +56,7 @@ class UpProcess:
     prometheus_port: int | None  # the embedded Prometheus (a free one, never 9090); None: --no-prometheus
     output: list[str] = field(default_factory=list)  # every line it printed so far (stdout and stderr)
     stop_s: float | None = None  # seconds from the stop signal to its exit (set once stopped)
+    expected_rc: int = 0  # its exit status once stopped (a test that makes it fail on its own sets 1)
 
     @property
     def prometheus_url(self) -> str:
@@ -153,7 +154,7 @@ def deltaserve_up(args: list[str], env: dict[str, str] | None = None, ready_s: f
         reader.join(timeout=10)  # to the end of its output: the last lines come after the exit
         while not lines.empty():
             up.output.append(lines.get())
-    assert rc == 0, "".join(up.output)
+    assert rc == up.expected_rc, "".join(up.output)
     assert any(ln.startswith("deltaserve: stopped") for ln in up.output), "".join(up.output)
 
 

@@ -11,7 +11,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -154,6 +154,10 @@ class MetricsConfig(_Strict):
                                   "deltaserve_tenant_* gauges")
 
 
+BudgetUnit = Literal["replicas", "cpus", "gpus"]  # what an autoscale budget counts
+BUDGET_UNITS: tuple[str, ...] = get_args(BudgetUnit)
+
+
 class AutoscaleConfig(_Strict):
     """The autoscaler (docs/autoscaling.md): one replica budget split between the pools' prefill and
     decode deployments (and the expert-pool shards) from their measured SLOs and queues."""
@@ -162,7 +166,7 @@ class AutoscaleConfig(_Strict):
                           "(`deltaserve up --autoscale`); off: replica counts stay as configured")
     budget: float | None = Field(None, gt=0, description="what all engine deployments may use together, in "
                                  "budget_unit (`--budget N`); None: what the configured replica counts use")
-    budget_unit: Literal["replicas", "cpus", "gpus"] = Field("replicas", description="what the budget counts "
+    budget_unit: BudgetUnit = Field("replicas", description="what the budget counts "
                                                              "(`--budget-unit`): replicas, or the Ray CPUs / GPUs "
                                                              "their replicas reserve (replica_resources)")
     interval_s: float = Field(5.0, gt=0, description="seconds between two policy ticks")
@@ -365,7 +369,7 @@ class PlatformConfig(_Strict):
             return cpus
         if unit == "gpus":
             return gpus
-        raise ValueError(f"budget_unit must be replicas, cpus or gpus, got {unit!r}")
+        raise ValueError(f"budget_unit must be one of {BUDGET_UNITS}, got {unit!r}")
 
     def without_replica_counts(self) -> "PlatformConfig":
         """The same config with every count at 1: what replicas are bound with (a new count then scales

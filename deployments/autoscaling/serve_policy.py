@@ -37,9 +37,9 @@ from deployments.autoscaling.settings import (
     read_override,
 )
 from deployments.autoscaling.signals import Budget, Decision, Observation, Slo
+from deployments.config import BUDGET_UNITS
 
 POLICY_IMPORT_PATH = "deployments.autoscaling.serve_policy:ServeAutoscalingPolicy"
-BUDGET_UNITS = ("replicas", "cpus", "gpus")  # what an autoscale budget counts (AutoscaleConfig.budget_unit)
 
 log = logging.getLogger("ray.serve")
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from cache_service.redis_server import find_free_ports, reserve_ports
 from deployments.autoscaling.settings import OpsSettings
-from deployments.config import MetricsConfig, PlatformConfig, redis_url
+from deployments.config import BUDGET_UNITS, MetricsConfig, PlatformConfig, redis_url
 from deployments.gateway.grpc_proxy import GRPC_HOST_ENV, PROXY_CALLBACK
 from deployments.observability.prometheus import port_is_free
 from deployments.observability.tracing import otlp_export
@@ -602,7 +602,7 @@ def add_up_parser(sub) -> None:
     p.add_argument("--budget", type=float, default=None, metavar="N",
                    help="with --autoscale: what all prefill, decode and expert-pool deployments may use together, in "
                         "--budget-unit (default: what the configured counts use)")
-    p.add_argument("--budget-unit", choices=("replicas", "cpus", "gpus"), default=None,
+    p.add_argument("--budget-unit", choices=BUDGET_UNITS, default=None,
                    help="with --autoscale: what the budget counts: replicas (default), or the Ray CPUs or GPUs their "
                         "replicas reserve (replica_num_cpus, replica_resources in --config)")
     p.add_argument("--metrics-export-port", type=int, default=None,

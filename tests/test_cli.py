@@ -51,3 +51,17 @@ def test_the_command_line_s_parsers_do_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["ops", "['deployments.cli.ops']"], out.stdout
+
+
+def test_ops_bad_counts_and_budgets_exit_2_before_any_platform_is_reached():
+    """A count or budget out of range is the operator's typo, not a platform problem: argparse refuses it (exit 2,
+    the value named) without looking for a cluster (here there is none to find)."""
+    for args, want in ((("scale", "decode-standard", "0"), "replica count must be an integer >= 1, got '0'"),
+                       (("scale", "decode-standard", "-1"), "replica count must be an integer >= 1, got '-1'"),
+                       (("scale", "decode-standard", "1.5"), "replica count must be an integer >= 1, got '1.5'"),
+                       (("budget", "-2"), "budget must be a number > 0, got '-2'"),
+                       (("budget", "inf"), "budget must be a number > 0, got 'inf'"),
+                       (("budget", "nan"), "budget must be a number > 0, got 'nan'")):
+        out = _run("ops", *args, "--address", "127.0.0.1:1")
+        assert out.returncode == 2 and want in out.stderr, (args, out.returncode, out.stderr[-500:])
+        assert "cannot reach the platform" not in out.stderr, args

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -233,17 +234,24 @@ def _ops(args: argparse.Namespace) -> int:
 
 
 def _count(text: str) -> int:
+    """A replica count, checked before any platform is reached (exit 2, as argparse exits)."""
     try:
-        return int(text)
+        n = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"replica count must be an integer >= 1, got {text!r}") from None
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"replica count must be an integer >= 1, got {text!r}")
+    return n
 
 
 def _budget(text: str) -> float:
     try:
-        return float(text)
+        budget = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"budget must be a number > 0, got {text!r}") from None
+        budget = math.nan
+    if not (math.isfinite(budget) and budget > 0):
+        raise argparse.ArgumentTypeError(f"budget must be a number > 0, got {text!r}")
+    return budget
 
 
 def add_ops_parser(sub) -> None:

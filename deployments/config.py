@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from deployments.gateway.protocol import HIGHSPEED_SUFFIX, POOLS
 
@@ -255,8 +255,8 @@ class PlatformConfig(_Strict):
                                                            "counts these")
     torch_threads: int = Field(1, gt=0, description="torch intra-op threads per replica")
     host: str = Field("127.0.0.1", description="address HTTP and gRPC listen on")
-    http_port: int = Field(8000, ge=0, le=65535)
-    grpc_port: int = Field(9000, ge=0, le=65535)
+    http_port: int = Field(8000, ge=1, le=65535)
+    grpc_port: int = Field(9000, ge=1, le=65535)
     tenants_file: str = Field("tenants.yaml", description="YAML tenants file (created with one dev tenant if missing)")
     trace_memory: bool = Field(False, description="keep finished spans in memory per replica (tests)")
     cache: CacheConfig = Field(default_factory=CacheConfig, description="prefix / KDA-state cache")
@@ -388,6 +388,27 @@ class PlatformConfig(_Strict):
         path = Path(source)
         text = path.read_text()
         return cls.model_validate(json.loads(text) if path.suffix == ".json" else yaml.safe_load(text) or {})
+
+
+_UNSHOWN = ("url", "endpoint", "key", "token", "password", "secret")  # values an error message does not repeat
+
+
+def describe_error(e: Exception) -> str:
+    """One line for a command-line error: a pydantic ``ValidationError`` (a bad platform config or override) as
+    ``invalid MODEL: field.path: what is wrong (got VALUE)``, one clause per error, instead of pydantic's multi-line report with its
+    documentation links; the values of URL, key and token fields are left out (they may hold credentials).
+    Anything else: ``str(e)``."""
+    if not isinstance(e, ValidationError):
+        return str(e)
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        shown = err.get("input") is not None and not any(w in loc.lower() for w in _UNSHOWN)
+        if shown and not isinstance(err["input"], (dict, list)):
+            msg += f" (got {err['input']!r})"
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return f"invalid {e.title}: {'; '.join(parts)}"
 
 
 def redis_url(config: PlatformConfig) -> str | None:

@@ -32,7 +32,7 @@ def _simulate(args: argparse.Namespace) -> int:
         write_outputs,
     )
     from deployments.autoscaling.traces import TraceError, load_traces, parse_trace_args
-    from deployments.config import PlatformConfig
+    from deployments.config import PlatformConfig, describe_error
 
     try:
         names = [n.strip() for n in args.policy.split(",") if n.strip()]
@@ -52,7 +52,7 @@ def _simulate(args: argparse.Namespace) -> int:
                                machine_share=args.machine_share)
         results = simulate_policies(requests, names, profile, config, settings)
     except (TraceError, ValueError) as e:
-        print(f"deltaserve autoscale simulate: {e}", file=sys.stderr)
+        print(f"deltaserve autoscale simulate: {describe_error(e)}", file=sys.stderr)
         return 2
     meta = {"traces": {p: str(f) for p, f in files.items()}, "speedup": args.speedup, "token_scale": args.token_scale,
             "budget": args.budget, "seed": args.seed, "machine_share": args.machine_share, "tick_s": args.tick, "window_s": args.window,

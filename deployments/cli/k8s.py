@@ -13,7 +13,7 @@ from pathlib import Path
 
 
 def render(args: argparse.Namespace) -> int:
-    from deployments.config import PlatformConfig
+    from deployments.config import PlatformConfig, describe_error
     from deployments.kube.addons import Addons
     from deployments.kube.render import Sources, render_tree, write_tree
 
@@ -21,7 +21,7 @@ def render(args: argparse.Namespace) -> int:
         src = Sources(PlatformConfig.load(args.config), Path(args.ops), Addons(prometheus_url=args.prometheus_url))
         files = render_tree(src)
     except (ValueError, FileNotFoundError) as e:
-        print(f"deltaserve k8s render: {e}", file=sys.stderr)
+        print(f"deltaserve k8s render: {describe_error(e)}", file=sys.stderr)
         return 2
     out = Path(args.out)
     if args.check:

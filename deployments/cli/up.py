@@ -27,7 +27,7 @@ from pathlib import Path
 
 from cache_service.redis_server import find_free_ports, reserve_ports
 from deployments.autoscaling.settings import OpsSettings
-from deployments.config import BUDGET_UNITS, MetricsConfig, PlatformConfig, redis_url
+from deployments.config import BUDGET_UNITS, MetricsConfig, PlatformConfig, describe_error, redis_url
 from deployments.gateway.grpc_proxy import GRPC_HOST_ENV, PROXY_CALLBACK
 from deployments.observability.prometheus import port_is_free
 from deployments.observability.tracing import otlp_export
@@ -344,6 +344,7 @@ def _load_config(args: argparse.Namespace) -> tuple[PlatformConfig, str | None]:
     tenants file was created now. ValueError / FileNotFoundError for anything that would fail later."""
     from cache_service.sealing import default_key_path, load_cache_key
     from deployments.tenancy import default_dev_tenants
+    from model.resolve import resolve_model
 
     config = PlatformConfig.load(args.config)
     if args.direct_ingress and args.front_end not in (None, "direct"):
@@ -355,6 +356,7 @@ def _load_config(args: argparse.Namespace) -> tuple[PlatformConfig, str | None]:
                                  "front_end": "direct" if args.direct_ingress else args.front_end}.items()
                if v is not None}
     config = PlatformConfig.load({**config.model_dump(), **updates}).with_replicas(parse_replicas(args.replicas or []))
+    resolve_model(config.model)  # an unknown model fails here, not in Serve's build task after Ray has started
     config = with_autoscale(config, args.autoscale, args.budget, args.budget_unit)
     if config.front_end == "haproxy":
         haproxy_binary()
@@ -510,7 +512,7 @@ def up(args: argparse.Namespace) -> int:
     try:
         config, new_key = _load_config(args)
     except (ValueError, FileNotFoundError) as e:
-        print(f"deltaserve up: {e}", file=sys.stderr)
+        print(f"deltaserve up: {describe_error(e)}", file=sys.stderr)
         return 2
     # the ports given may be free still (a caller that picked them has not bound them): no side port is one of them
     reserve_ports([config.http_port, config.grpc_port, config.metrics.export_port, config.metrics.prometheus_port])

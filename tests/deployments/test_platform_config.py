@@ -178,3 +178,35 @@ def test_progress_line_counts_healthy_deployments_and_names_the_rest():
     status["pool-mode"] = app(ingress="UPDATING")
     assert progress_line(status, ["deltaserve", "pool-mode"]) == (
         "deltaserve: 2/3 deployments healthy (waiting for pool-mode/ingress)")
+
+
+def test_describe_error_is_one_line_naming_field_and_value_but_no_credentials():
+    from deployments.config import describe_error
+
+    with pytest.raises(ValidationError) as e:
+        PlatformConfig.load({"http_port": 70000, "autoscale": {"budget": -1}, "cache": {"redis_url": 5}})
+    text = describe_error(e.value)
+    assert "\n" not in text and "errors.pydantic.dev" not in text, text
+    assert text.startswith("invalid PlatformConfig: ") and "http_port: " in text and "(got 70000)" in text, text
+    assert "autoscale.budget: Input should be greater than 0 (got -1)" in text, text
+    with pytest.raises(ValidationError) as e:
+        PlatformConfig.load({"cache": {"redis_url": ["redis://:hunter2@h"]}})
+    assert "cache.redis_url: " in describe_error(e.value) and "hunter2" not in describe_error(e.value)
+    assert describe_error(ValueError("plain")) == "plain"
+
+
+@pytest.mark.parametrize("args, want", [
+    (["--model", "nope"], "deltaserve up: model 'nope' is neither a shipped checkpoint"),
+    (["--http-port", "0"], "deltaserve up: invalid PlatformConfig: http_port: Input should be greater than or equal "
+                           "to 1 (got 0)"),
+    (["--autoscale", "--budget", "-1"], "deltaserve up: invalid PlatformConfig: autoscale.budget: Input should be "
+                                        "greater than 0 (got -1.0)"),
+])
+def test_deltaserve_up_refuses_a_bad_model_or_value_in_one_line_before_ray_starts(tmp_path, args, want):
+    from tests.deployments.up_process import run_up
+
+    done = run_up(["--tenants", str(tmp_path / "tenants.yaml"), "--no-cache", "--no-prometheus", *args],
+                  env={"DELTASERVE_API_KEY": "ds-bad-start-key-0123456789abcdef"})
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith(want), done.stderr
+    assert "Ray" not in done.stdout and "Traceback" not in done.stderr, done.stdout + done.stderr

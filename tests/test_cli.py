@@ -65,3 +65,17 @@ def test_ops_bad_counts_and_budgets_exit_2_before_any_platform_is_reached():
         out = _run("ops", *args, "--address", "127.0.0.1:1")
         assert out.returncode == 2 and want in out.stderr, (args, out.returncode, out.stderr[-500:])
         assert "cannot reach the platform" not in out.stderr, args
+
+
+def test_an_output_path_that_cannot_be_written_is_refused_before_the_work(tmp_path):
+    """A profile (tens of seconds), a simulation or a render that could not write its result says so at once (exit 2,
+    the path named) instead of ending its work in a traceback."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for args in (("autoscale", "profile", "--out", str(blocker / "profile.json")),
+                 ("autoscale", "profile", "--out", str(tmp_path)),
+                 ("autoscale", "simulate", "--trace", f"standard={blocker}", "--out", str(blocker / "sim")),
+                 ("k8s", "render", "--out", str(blocker / "k8s"))):
+        out = _run(*args)
+        assert out.returncode == 2 and "cannot write" in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
+        assert str(tmp_path) in out.stderr, (args, out.stderr)

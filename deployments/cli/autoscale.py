@@ -19,6 +19,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from deployments.cli.output import check_writable
+
 
 def _simulate(args: argparse.Namespace) -> int:
     from deployments.autoscaling.profile import load_profile
@@ -35,6 +37,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from deployments.config import PlatformConfig, describe_error
 
     try:
+        check_writable(Path(args.out), directory=True)
         names = [n.strip() for n in args.policy.split(",") if n.strip()]
         unknown = [n for n in names if n not in POLICIES]
         if unknown or not names:
@@ -73,6 +76,11 @@ def _profile(args: argparse.Namespace) -> int:
     from deployments.config import PlatformConfig
 
     out = Path(args.out)
+    try:
+        check_writable(out)
+    except ValueError as e:
+        print(f"deltaserve autoscale profile: {e}", file=sys.stderr)
+        return 2
     if args.platform and out.exists():  # the engine part is there: add the ingress to it
         data = json.loads(out.read_text())
     else:

@@ -13,11 +13,14 @@ from pathlib import Path
 
 
 def render(args: argparse.Namespace) -> int:
+    from deployments.cli.output import check_writable
     from deployments.config import PlatformConfig, describe_error
     from deployments.kube.addons import Addons
     from deployments.kube.render import Sources, render_tree, write_tree
 
     try:
+        if not args.check:
+            check_writable(Path(args.out), directory=True)
         src = Sources(PlatformConfig.load(args.config), Path(args.ops), Addons(prometheus_url=args.prometheus_url))
         files = render_tree(src)
     except (ValueError, FileNotFoundError) as e:

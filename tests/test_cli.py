@@ -79,3 +79,17 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_the_work(tmp_pa
         out = _run(*args)
         assert out.returncode == 2 and "cannot write" in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
         assert str(tmp_path) in out.stderr, (args, out.stderr)
+
+
+def test_commands_that_need_the_platform_say_how_to_point_them_at_it(tmp_path):
+    """No cluster where they look (an empty temporary directory, no RAY_ADDRESS): exit 1 with what to do, the same
+    hint whichever command it is, not Ray's bare error."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(tmp_path)}
+    for args, what in ((("ops", "status"), "cannot reach the platform"),
+                       (("cache", "stats"), "cannot reach the platform's cache-admin deployment"),
+                       (("usage",), "cannot reach the platform's ingress deployment")):
+        out = subprocess.run([sys.executable, "-m", "deployments.cli.main", *args], cwd=ROOT, capture_output=True,
+                             text=True, timeout=120, env=env)
+        assert out.returncode == 1 and what in out.stderr and "Is `deltaserve up` running" in out.stderr, (args, out.stderr)

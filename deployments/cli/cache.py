@@ -24,11 +24,11 @@ def _via_redis(args: argparse.Namespace):
 
 
 def _via_platform(args: argparse.Namespace):
-    import ray
     from ray import serve
 
-    if not ray.is_initialized():
-        ray.init(address="auto", log_to_driver=False, logging_level="ERROR")
+    from deployments.cli.cluster import join_cluster
+
+    join_cluster()
     handle = serve.get_deployment_handle("cache-admin", app_name=args.app)
     method = handle.stats if args.action == "stats" else handle.flush
     return method.remote(args.tenant).result(timeout_s=60)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from collections import Counter
@@ -42,11 +41,9 @@ class LocalBackend:
     """The Serve instance of a Ray cluster this process joins as a driver."""
 
     def __init__(self, address: str | None) -> None:
-        import ray
+        from deployments.cli.cluster import join_cluster
 
-        if not ray.is_initialized():
-            ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=False,
-                     logging_level="ERROR")
+        join_cluster(address)
         from ray.serve.context import _get_global_client
 
         self.client = _get_global_client()

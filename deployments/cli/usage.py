@@ -42,11 +42,11 @@ def _via_redis(args: argparse.Namespace, since_s: float | None) -> dict:
 
 
 def _via_platform(args: argparse.Namespace, since_s: float | None) -> dict:
-    import ray
     from ray import serve
 
-    if not ray.is_initialized():
-        ray.init(address="auto", log_to_driver=False, logging_level="ERROR")
+    from deployments.cli.cluster import join_cluster
+
+    join_cluster()
     handle = serve.get_deployment_handle("ingress", app_name=args.app)
     return handle.usage_report.remote(args.tenant, since_s).result(timeout_s=60)
 

@@ -307,6 +307,9 @@ class PlatformConfig(_Strict):
         bad = {s: n for s, n in self.expert_pool_replicas.items() if not 0 <= s < self.expert_shards or n < 1}
         if bad:
             raise ValueError(f"expert_pool_replicas {bad}: shard ids must be in 0..{self.expert_shards - 1} and counts >= 1")
+        if self.http_port == self.grpc_port:
+            raise ValueError(f"http_port and grpc_port must differ (the HTTP and the gRPC server each listen on "
+                             f"their own), both are {self.http_port}")
         if self.expert_transport_port and self.expert_transport_port + self.expert_shards - 1 > 65535:
             raise ValueError(f"expert_transport_port {self.expert_transport_port} + expert_shards {self.expert_shards} - 1 exceeds 65535")
         unknown = sorted(set(self.replica_resources) - set(self.deployment_names()))

@@ -13,11 +13,13 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import errno
 import ipaddress
 import math
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -379,7 +381,29 @@ def _load_config(args: argparse.Namespace) -> tuple[PlatformConfig, str | None]:
     if config.cache.enabled:  # the replicas' shared cache key: a bad key or file mode fails here, not in a replica
         load_cache_key(default_key_path(config.tenants_file))
     otlp_export()  # OTEL_* variables that ask for an export the replicas lack fail here, not in every replica
+    check_listen_ports(config)
     return config, new_key
+
+
+def check_listen_ports(config: PlatformConfig) -> None:
+    """ValueError when the HTTP or gRPC port cannot be listened on at ``config.host`` (another process holds it, or
+    no interface has the address): said before Redis and Ray start, not in a traceback from Serve's proxy or HAProxy
+    after them. Bound with SO_REUSEADDR, as the servers bind: a stopped server's connections in TIME_WAIT do not
+    count. Another process can still take a port between this check and the servers' bind."""
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    for port, what, flag in ((config.http_port, "HTTP", "--http-port"), (config.grpc_port, "gRPC", "--grpc-port")):
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((config.host, port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise ValueError(f"port {port} ({what}) on {config.host} is in use by another process: stop it, "
+                                     f"or pass {flag}") from None
+                if e.errno == errno.EADDRNOTAVAIL:
+                    raise ValueError(f"host {config.host} (--host, or the config's host): no network interface of "
+                                     "this machine has that address") from None
+                raise ValueError(f"cannot listen on {config.host}:{port} ({what}): {e.strerror or e}") from None
 
 
 def with_autoscale(config: PlatformConfig, autoscale: bool, budget: float | None,

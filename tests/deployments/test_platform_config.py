@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import re
+import socket
 
 import pytest
 from pydantic import ValidationError
@@ -197,16 +198,28 @@ def test_describe_error_is_one_line_naming_field_and_value_but_no_credentials():
 
 @pytest.mark.parametrize("args, want", [
     (["--model", "nope"], "deltaserve up: model 'nope' is neither a shipped checkpoint"),
+    (["--http-port", "HELD"], "deltaserve up: port HELD (HTTP) on 127.0.0.1 is in use by another process: stop it, "
+                              "or pass --http-port"),
+    (["--http-port", "18117", "--grpc-port", "18117"], "deltaserve up: invalid PlatformConfig: http_port and grpc_port "
+                                                       "must differ"),
+    (["--host", "198.51.100.77"], "deltaserve up: host 198.51.100.77 (--host, or the config's host): no network "
+                                  "interface"),
     (["--http-port", "0"], "deltaserve up: invalid PlatformConfig: http_port: Input should be greater than or equal "
                            "to 1 (got 0)"),
     (["--autoscale", "--budget", "-1"], "deltaserve up: invalid PlatformConfig: autoscale.budget: Input should be "
                                         "greater than 0 (got -1.0)"),
 ])
 def test_deltaserve_up_refuses_a_bad_model_or_value_in_one_line_before_ray_starts(tmp_path, args, want):
+    """HELD: a port another process (here: this one) listens on."""
     from tests.deployments.up_process import run_up
 
-    done = run_up(["--tenants", str(tmp_path / "tenants.yaml"), "--no-cache", "--no-prometheus", *args],
-                  env={"DELTASERVE_API_KEY": "ds-bad-start-key-0123456789abcdef"})
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = str(held.getsockname()[1])
+        args, want = [port if a == "HELD" else a for a in args], want.replace("HELD", port)
+        done = run_up(["--tenants", str(tmp_path / "tenants.yaml"), "--no-cache", "--no-prometheus", *args],
+                      env={"DELTASERVE_API_KEY": "ds-bad-start-key-0123456789abcdef"})
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith(want), done.stderr
     assert "Ray" not in done.stdout and "Traceback" not in done.stderr, done.stdout + done.stderr

@@ -7,15 +7,14 @@ both pools, experts colocated, HTTP on 127.0.0.1:8000 and gRPC on 127.0.0.1:9000
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
 from typing import Literal, get_args
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from deployments.files import read_mapping
 from deployments.gateway.protocol import HIGHSPEED_SUFFIX, POOLS
 
 
@@ -388,9 +387,7 @@ class PlatformConfig(_Strict):
             return source
         if isinstance(source, dict):
             return cls.model_validate(source)
-        path = Path(source)
-        text = path.read_text()
-        return cls.model_validate(json.loads(text) if path.suffix == ".json" else yaml.safe_load(text) or {})
+        return cls.model_validate(read_mapping(source, "platform config"))
 
 
 _UNSHOWN = ("url", "endpoint", "key", "token", "password", "secret")  # values an error message does not repeat

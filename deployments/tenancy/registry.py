@@ -28,6 +28,7 @@ from typing import Any, Iterable, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from deployments.files import yaml_problem
 from deployments.gateway.errors import AuthError, BadRequestError, PermissionDeniedError
 from deployments.tenancy.keys import _check_key_text, generate_api_key, hash_api_key, parse_authorization
 
@@ -251,7 +252,7 @@ class TenantRegistry:
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
-            raise TenantsFileError(f"{path}: not valid YAML: {e}") from None
+            raise TenantsFileError(f"{path}: not valid YAML: {yaml_problem(e)}") from None
         if data is None:
             raise TenantsFileError(f"{path}: the file is empty (expected 'version: 1' and 'tenants:')")
         if not isinstance(data, dict):

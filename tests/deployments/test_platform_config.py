@@ -223,3 +223,20 @@ def test_deltaserve_up_refuses_a_bad_model_or_value_in_one_line_before_ray_start
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith(want), done.stderr
     assert "Ray" not in done.stdout and "Traceback" not in done.stderr, done.stdout + done.stderr
+
+
+def test_a_config_file_that_does_not_parse_is_one_line_naming_the_file_and_where(tmp_path):
+    cases = {"bad.yaml": ("pools: [\n", "platform config {p}: not valid YAML: expected the node content, but found "
+                                        "'<stream end>' (line 2, column 1)"),
+             "bad.json": ('{"pools": ', "platform config {p}: not valid JSON: Expecting value (line 1, column 11)"),
+             "list.yaml": ("- 1\n- 2\n", "platform config {p}: expected a mapping of settings, got a list")}
+    for name, (text, want) in cases.items():
+        p = tmp_path / name
+        p.write_text(text)
+        with pytest.raises(ValueError) as e:
+            PlatformConfig.load(p)
+        assert str(e.value) == want.format(p=p)
+    with pytest.raises(ValueError, match=rf"^cannot read platform config '{re.escape(str(tmp_path))}': Is a directory$"):
+        PlatformConfig.load(tmp_path)
+    (tmp_path / "empty.yaml").write_text("")
+    assert PlatformConfig.load(tmp_path / "empty.yaml") == PlatformConfig()

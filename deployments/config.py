@@ -395,9 +395,9 @@ _UNSHOWN = ("url", "endpoint", "key", "token", "password", "secret")  # values a
 
 def describe_error(e: Exception) -> str:
     """One line for a command-line error: a pydantic ``ValidationError`` (a bad platform config or override) as
-    ``invalid MODEL: field.path: what is wrong (got VALUE)``, one clause per error, instead of pydantic's multi-line report with its
-    documentation links; the values of URL, key and token fields are left out (they may hold credentials).
-    Anything else: ``str(e)``."""
+    ``invalid MODEL: field.path: what is wrong (got VALUE)``, one clause per error, instead of pydantic's
+    multi-line report with its documentation links; the values of URL, key and token fields are left out (they
+    may hold credentials). Anything else: ``str(e)``."""
     if not isinstance(e, ValidationError):
         return str(e)
     parts = []

@@ -378,6 +378,16 @@ def _load_config(args: argparse.Namespace) -> tuple[PlatformConfig, str | None]:
     _, new_key = default_dev_tenants(config.tenants_file, os.environ.get("DELTASERVE_API_KEY"))
     if not new_key:
         check_env_key(config.tenants_file, os.environ.get("DELTASERVE_API_KEY"))
+    if (url := redis_url(config)) is not None:  # a malformed URL fails here, not in every replica's deploy
+        from redis.connection import parse_url
+
+        from cache_service.store import redact_url
+
+        try:
+            parse_url(url)
+        except ValueError as e:
+            raise ValueError(f"Redis URL {redact_url(url)!r} (--redis-url, cache.redis_url or $DELTASERVE_REDIS_URL): "
+                             f"{e}") from None
     if config.cache.enabled:  # the replicas' shared cache key: a bad key or file mode fails here, not in a replica
         load_cache_key(default_key_path(config.tenants_file))
     otlp_export()  # OTEL_* variables that ask for an export the replicas lack fail here, not in every replica

@@ -204,6 +204,8 @@ def test_describe_error_is_one_line_naming_field_and_value_but_no_credentials():
                                                        "must differ"),
     (["--host", "198.51.100.77"], "deltaserve up: host 198.51.100.77 (--host, or the config's host): no network "
                                   "interface"),
+    (["--redis-url", "redis://:hunter2@h:abc/0"], "deltaserve up: Redis URL 'redis://:***@h:abc/0' (--redis-url, "
+                                                  "cache.redis_url or $DELTASERVE_REDIS_URL): Port could not be cast"),
     (["--http-port", "0"], "deltaserve up: invalid PlatformConfig: http_port: Input should be greater than or equal "
                            "to 1 (got 0)"),
     (["--autoscale", "--budget", "-1"], "deltaserve up: invalid PlatformConfig: autoscale.budget: Input should be "
@@ -223,6 +225,7 @@ def test_deltaserve_up_refuses_a_bad_model_or_value_in_one_line_before_ray_start
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith(want), done.stderr
     assert "Ray" not in done.stdout and "Traceback" not in done.stderr, done.stdout + done.stderr
+    assert "hunter2" not in done.stdout + done.stderr
 
 
 def test_a_config_file_that_does_not_parse_is_one_line_naming_the_file_and_where(tmp_path):

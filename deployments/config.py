@@ -14,7 +14,7 @@ from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from deployments.files import read_mapping
+from deployments.files import read_mapping, validation_text
 from deployments.gateway.protocol import HIGHSPEED_SUFFIX, POOLS
 
 
@@ -390,25 +390,11 @@ class PlatformConfig(_Strict):
         return cls.model_validate(read_mapping(source, "platform config"))
 
 
-_UNSHOWN = ("url", "endpoint", "key", "token", "password", "secret")  # values an error message does not repeat
-
-
 def describe_error(e: Exception) -> str:
     """One line for a command-line error: a pydantic ``ValidationError`` (a bad platform config or override) as
-    ``invalid MODEL: field.path: what is wrong (got VALUE)``, one clause per error, instead of pydantic's
-    multi-line report with its documentation links; the values of URL, key and token fields are left out (they
-    may hold credentials). Anything else: ``str(e)``."""
-    if not isinstance(e, ValidationError):
-        return str(e)
-    parts = []
-    for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
-        shown = err.get("input") is not None and not any(w in loc.lower() for w in _UNSHOWN)
-        if shown and not isinstance(err["input"], (dict, list)):
-            msg += f" (got {err['input']!r})"
-        parts.append(f"{loc}: {msg}" if loc else msg)
-    return f"invalid {e.title}: {'; '.join(parts)}"
+    ``invalid MODEL: field.path: what is wrong (got VALUE); ...`` (:func:`deployments.files.validation_text`);
+    anything else as ``str(e)``."""
+    return f"invalid {e.title}: {validation_text(e)}" if isinstance(e, ValidationError) else str(e)
 
 
 def redis_url(config: PlatformConfig) -> str | None:

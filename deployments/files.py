@@ -7,6 +7,9 @@ import json
 from pathlib import Path
 
 import yaml
+from pydantic import ValidationError
+
+_UNSHOWN = ("url", "endpoint", "key", "token", "password", "secret")  # fields whose values a message does not repeat
 
 
 def yaml_problem(e: yaml.YAMLError) -> str:
@@ -35,3 +38,19 @@ def read_mapping(path: str | Path, what: str) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{what} {path}: expected a mapping of settings, got a {type(data).__name__}")
     return data
+
+
+def validation_text(e: ValidationError, *, values: bool = True) -> str:
+    """The errors of ``e`` in one line, ``field.path: what is wrong`` joined by "; " (pydantic's own report spans
+    lines and links its documentation); ``values``: with `` (got VALUE)`` after each, except for the values of
+    URL, key, token and password fields (they may hold credentials)."""
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        value = err.get("input")
+        if values and value is not None and not isinstance(value, (dict, list)) \
+                and not any(w in loc.lower() for w in _UNSHOWN):
+            msg += f" (got {value!r})"
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts)

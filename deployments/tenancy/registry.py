@@ -28,7 +28,7 @@ from typing import Any, Iterable, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from deployments.files import yaml_problem
+from deployments.files import validation_text, yaml_problem
 from deployments.gateway.errors import AuthError, BadRequestError, PermissionDeniedError
 from deployments.tenancy.keys import _check_key_text, generate_api_key, hash_api_key, parse_authorization
 
@@ -173,15 +173,6 @@ class TenantsFile(BaseModel):
         return self
 
 
-def _format_validation_error(e: ValidationError) -> str:
-    parts = []
-    for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
-        parts.append(f"{loc}: {msg}" if loc else msg)
-    return "; ".join(parts)
-
-
 @dataclass(frozen=True, slots=True)
 class Tenant:
     """What an ingress needs about an authenticated tenant."""
@@ -260,7 +251,7 @@ class TenantRegistry:
         try:
             return TenantsFile.model_validate(data)
         except ValidationError as e:
-            raise TenantsFileError(f"{path}: {_format_validation_error(e)}") from None
+            raise TenantsFileError(f"{path}: {validation_text(e, values=False)}") from None
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "TenantRegistry":
@@ -396,7 +387,7 @@ class TenantRegistry:
                 spec = TenantSpec.model_validate(raw)
                 tf = TenantsFile.model_validate({"version": 1, "tenants": [*self._file.tenants, spec]})
             except ValidationError as e:
-                raise ValueError(_format_validation_error(e)) from None
+                raise ValueError(validation_text(e, values=False)) from None
             self._set(tf)
         return spec.model_copy(deep=True), key
 

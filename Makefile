@@ -46,7 +46,8 @@ vllm-env:
 serve: install
 	$(VENV)/bin/deltaserve up
 
-# the two environments install side by side (pip is mostly one core each): 79 s instead of 105 s from a fresh clone
+# the two environments install side by side (pip keeps about one core busy each): 79-88 s instead of 105 s from a
+# fresh clone here (the two installs one after the other)
 envs:
 	@$(MAKE) --no-print-directory -j2 install hf-env
 

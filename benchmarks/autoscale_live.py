@@ -278,34 +278,59 @@ def _cpu_s(pids: list[int]) -> dict[int, float]:
     return out
 
 
-def _ops_scale(platform, deployment: str, n: int) -> None:
-    env = {**os.environ, **platform.ray_env, "RAY_ADDRESS": platform.gcs_address(), "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "-m", "deployments.cli.main", "ops", "scale", deployment, str(n), "--wait",
-                    "--timeout", "120"], cwd=ROOT, env=env, check=True, capture_output=True, text=True, timeout=180)
+def _replica_states(deployment: str) -> dict[str, int]:
+    from ray import serve
+
+    deps = serve.status().applications["deltaserve"].deployments
+    return dict(deps[deployment].replica_states) if deployment in deps else {}
+
+
+def _scale(deployment: str, n: int, timeout_s: float = 120.0, poll_s: float = 0.05) -> tuple[float, float | None]:
+    """Set ``deployment``'s replica count to ``n`` from this process's Ray driver (the lightweight config update
+    `deltaserve ops scale` makes) and wait until ``n`` replicas are RUNNING. Returns the seconds from the apply to
+    that, and from the first poll that saw a replica STARTING to that (None when none was seen: a scale-down)."""
+    from deployments.autoscaling.live import apply_app_config, running_app_config, with_replicas
+
+    t0 = time.perf_counter()
+    apply_app_config(with_replicas(running_app_config(), {deployment: n}))
+    seen_starting = None
+    while (states := _replica_states(deployment)).get("RUNNING", 0) != n or states.get("STARTING", 0):
+        now = time.perf_counter()
+        if seen_starting is None and states.get("STARTING", 0):
+            seen_starting = now
+        if now - t0 > timeout_s:
+            raise TimeoutError(f"{deployment}: not at {n} RUNNING replicas {timeout_s:.0f} s after the change: {states}")
+        time.sleep(poll_s)
+    done = time.perf_counter()
+    return done - t0, None if seen_starting is None else done - seen_starting
 
 
 def measure_live_startup(platform, deployment: str, n: int, *, idle_s: float = 5.0) -> dict:
-    """One replica start on the idle platform: ``deltaserve ops scale DEPLOYMENT n+1 --wait`` (a Serve config
-    edit; Serve starts the replica), its wall seconds to RUNNING, and the CPU seconds every process of the
-    platform spent meanwhile beyond its idle rate (measured over ``idle_s`` just before): the new worker's imports
-    and model load, Serve's controller, Ray's raylet. Scaled back to ``n`` afterwards. What the simulator's
-    machine-sharing mode charges each start-up (``Profile.replica_startup_cpu_s``)."""
+    """One replica start on the idle platform: ``deployment``'s count set to n+1 from this process's Ray driver (a
+    Serve config edit, as `deltaserve ops scale` makes; Serve starts the replica), its wall seconds from STARTING to
+    RUNNING (``serve.status()`` polled every 50 ms), and the CPU seconds every process of the platform spent
+    meanwhile beyond its idle rate (measured over ``idle_s`` just before): the new worker's imports and model load,
+    Serve's controller, Ray's raylet. Scaled back to ``n`` afterwards. What the simulator's machine-sharing mode
+    charges each start-up (``Profile.replica_startup_s`` / ``replica_startup_cpu_s``). Run from a driver, not
+    through the `deltaserve ops` CLI, whose own interpreter start and cluster connection (about 2 s here) are not
+    part of a start-up the autoscaler orders."""
     before = _cpu_s(platform.descendants())
     time.sleep(idle_s)
-    idle_rate = sum(_cpu_s(list(before)).values()) - sum(before.values())
-    idle_rate /= idle_s
+    after = _cpu_s(list(before))  # a process that exited meanwhile (a replica still stopping) is left out
+    idle_rate = sum(v - before[pid] for pid, v in after.items()) / idle_s
     start_cpu = _cpu_s(platform.descendants())
-    t0 = time.perf_counter()
-    _ops_scale(platform, deployment, n + 1)
-    wall = time.perf_counter() - t0
+    wall, starting = _scale(deployment, n + 1)
     end_cpu = _cpu_s(platform.descendants())
     spent = sum(v - start_cpu.get(pid, 0.0) for pid, v in end_cpu.items())
     cpu = max(0.0, spent - idle_rate * wall)
-    _ops_scale(platform, deployment, n)
-    return {"seconds": wall, "cpu_s": cpu, "idle_cpu_rate": idle_rate, "deployment": deployment,
-            "source": f"live: `deltaserve ops scale {deployment} {n + 1} --wait` on the idle static platform; CPU of "
-                      "every process under deltaserve up beyond its idle rate (benchmarks/autoscale_live.py "
-                      "measure_live_startup)"}
+    _scale(deployment, n)
+    return {"seconds": starting if starting is not None else wall, "apply_to_running_s": wall, "cpu_s": cpu,
+            "idle_cpu_rate": idle_rate, "deployment": deployment,
+            "source": f"live: {deployment} set to {n + 1} replicas from a Ray driver on the idle static platform; "
+                      "seconds: from the replica's first STARTING state in serve.status() to RUNNING (what a start "
+                      "the autoscaler orders takes; apply_to_running_s adds the config apply, which an autoscaler "
+                      "decision does not go through); CPU of every process under deltaserve up beyond its idle rate "
+                      "over the whole change (benchmarks/autoscale_live.py measure_live_startup)"}
 
 
 def run_live(mode: str, requests: list[TraceRequest], split: dict[str, int], budget: int, poll_s: float,
@@ -623,8 +648,8 @@ def _startup_sentence(startup: dict) -> str:
         return (f"A replica's start-up takes {startup['seconds']:.2f} s (the profile's) and keeps one core busy "
                 "meanwhile.")
     units = max(1.0, startup["cpu_s"] / startup["seconds"]) if startup["seconds"] > 0 else 1.0
-    return (f"A replica's start-up, measured on the idle static platform before its replay (`deltaserve ops scale "
-            f"{startup['deployment']} +1 --wait`): {startup['seconds']:.1f} s to RUNNING and {startup['cpu_s']:.1f} CPU s "
+    return (f"A replica's start-up, measured on the idle static platform before its replay ({startup['deployment']} "
+            f"one replica up, from the benchmark's Ray driver): {startup['seconds']:.1f} s from the config apply to RUNNING and {startup['cpu_s']:.1f} CPU s "
             f"across the platform's processes beyond their idle rate, so a starting replica counts as {units:.2f} "
             "busy units.")
 

@@ -163,6 +163,35 @@ def needed_budgets(requests, profile, config, tick_s, window_s, start: int, stop
     return need
 
 
+def _deficit(res: SimResult, target: dict[str, float]) -> float:
+    return sum(max(0.0, t - res.pools[p].slo_attainment) for p, t in target.items())
+
+
+def cheapest_fixed_split(requests, profile, config, tick_s, window_s, deployments: list[str], stop: int,
+                         target: dict[str, float] = TARGET) -> dict:
+    """A hindsight reference: the fixed replica counts (the same at every tick, found with the whole trace known)
+    that meet ``target`` with the fewest replicas, searched greedily from the floors (1 each, seed 0): each step adds
+    the one replica that most lowers the shortfall below ``target`` (ties: the name sorted first), up to ``stop``
+    replicas in all. An upper bound on the cheapest fixed split; no policy that holds its replicas fixed needs
+    fewer replica-seconds for ``target`` than what such a split holds."""
+    def run(split: dict[str, int]) -> SimResult:
+        budget = Budget(total=sum(split.values()), pins=dict(split))
+        settings = SimSettings(budget, tick_s=tick_s, window_s=window_s, seed=0)
+        return Simulator(requests, StaticPolicy({}), profile, config, settings, name="fixed").run()
+
+    split = {n: 1 for n in sorted(deployments)}
+    res = run(split)
+    steps = [{"split": dict(split), "deficit": _deficit(res, target)}]
+    while not meets(res, target) and sum(split.values()) < stop:
+        tried = [(name, run(split | {name: split[name] + 1})) for name in split]
+        name, res = min(tried, key=lambda t: (_deficit(t[1], target), t[0]))
+        split[name] += 1
+        steps.append({"split": dict(split), "deficit": _deficit(res, target)})
+    return {"split": split, "replicas": sum(split.values()), "met": meets(res, target),
+            "replica_seconds": sum(r.replica_seconds for r in res.pools.values()),
+            **{f"{p}_attainment": r.slo_attainment for p, r in res.pools.items()}, "steps": steps}
+
+
 def plot(rows: list[dict], ceiling: dict[str, float]):
     def draw(ax, _rows):
         for policy, color in zip(POLICIES, ("tab:gray", "tab:orange", "tab:blue"), strict=True):
@@ -218,6 +247,8 @@ def main() -> int:
     need = needed_budgets(requests, profile, config, args.tick, args.window, args.need_from, args.need_to)
     need_rel = needed_budgets(requests, profile, config, args.tick, args.window, args.need_from, args.need_to,
                               relative)
+    engines = [f"{kind}-{pool}" for pool in config.pools for kind in ("prefill", "decode")]
+    fixed = cheapest_fixed_split(requests, profile, config, args.tick, args.window, engines, args.need_to)
     main_rows = {r["policy"]: r for r in rows if r["budget"] == args.main}
     verdicts = checks(main_rows) if len(main_rows) == len(POLICIES) else []
     def need_lines(found: dict[str, dict]) -> list[str]:
@@ -247,6 +278,14 @@ def main() -> int:
          f"(highspeed >= {relative['highspeed']:.4f}, standard >= {relative['standard']:.4f}):"),
         *need_lines(need_rel),
         "",
+        ("Hindsight reference: the cheapest fixed split for highspeed >= 99% and standard >= 95%, searched greedily "
+         "from the floors with the whole hour known (seed 0; `cheapest_fixed_split`): "
+         + ", ".join(f"{n} {c}" for n, c in fixed["split"].items())
+         + f" = {fixed['replicas']} replicas" + ("" if fixed["met"] else f" (targets not met by {args.need_to})")
+         + f", {fixed['replica_seconds']:.0f} replica-seconds (highspeed {fixed['highspeed_attainment']:.4f}, "
+         f"standard {fixed['standard_attainment']:.4f}). A policy that reacts to signals cannot know the split "
+         "beforehand; one that holds it needs this many replica-seconds."),
+        "",
         f"Checks at budget {args.main} (means over seeds):",
         *[f"- [{'x' if ok else ' '}] {what}: {numbers}" for what, ok, numbers in verdicts],
     ])
@@ -254,7 +293,7 @@ def main() -> int:
                          title="Autoscaler policies in the simulator: the Azure 2023 hour")
     record = json.loads(paths["json"].read_text())
     record |= {"runs": runs, "needed_budget": need, "idle_ceiling": ceiling, "relative_target": relative,
-               "needed_budget_relative": need_rel, "checks": [{"check": w, "passed": ok, "figures": n}
+               "needed_budget_relative": need_rel, "cheapest_fixed_split": fixed, "checks": [{"check": w, "passed": ok, "figures": n}
                                                                 for w, ok, n in verdicts], "main_budget": args.main}
     paths["json"].write_text(json.dumps(record, indent=2, default=str) + "\n")
     if timeline is not None:

@@ -211,8 +211,8 @@ def plot(rows: list[dict], ceiling: dict[str, float]):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--budgets", default="8,12,16")
-    ap.add_argument("--main", type=int, default=12, help="the budget of the must-show checks")
+    ap.add_argument("--budgets", default="8,10,12,16")
+    ap.add_argument("--main", type=int, default=10, help="the budget of the must-show checks")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--need-from", type=int, default=8)
     ap.add_argument("--need-to", type=int, default=40)

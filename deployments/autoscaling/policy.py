@@ -28,7 +28,7 @@ class Need:
     """What one deployment's own signal asks for, before hysteresis and the budget."""
 
     replicas: float   # replicas the signal needs (fractional: 2.4 means "more than 2")
-    why: str          # the rule and values that set it, e.g. "waiting 9 + running 16 = 25 vs 0.85 x batch cap 4"
+    why: str          # the rule and values that set it, e.g. "waiting 9 + running 16 = 25 vs 1 x batch cap 4"
     breach: bool      # a latency target is missed now (scale up without waiting)
     base: float = 0.0  # the sustained part: arrival rate or running sequences, without backlog or breach terms
 
@@ -116,8 +116,8 @@ class DeltaserveParams:
     prefill_utilization: float = 0.7     # share of a prefill replica's token throughput the arrival rate may use
     prefill_drain_share: float = 0.5     # queued prefill tokens should drain within this share of the TTFT target
     prefill_tokens_per_s: float | None = None  # a prefill replica's tokens/s when the signal does not measure it
-    decode_fill: float = 0.85            # share of the batch cap the running + waiting sequences may fill
-    slots_fill: float = 0.9              # share of the state slots that may be in use
+    decode_fill: float = 1.0             # share of the batch cap the running + waiting sequences may fill
+    slots_fill: float = 1.0              # share of the state slots that may be in use
     busy_target: float = 0.75            # share of the time a prefill / expert replica may be stepping
     breach_factor_max: float = 2.0       # on a latency breach: at most this many times the current replicas
     up_tolerance: float = 0.1            # scale up once the need exceeds the current count by more than this

@@ -167,6 +167,7 @@ class Replica:
         "drain_at",
         "held",
         "hold_from",
+        "number",
         "pending",
         "seg_dt",
         "seg_k",
@@ -178,8 +179,9 @@ class Replica:
         "version",
     )
 
-    def __init__(self, deployment: Deployment, state: str, now: float) -> None:
+    def __init__(self, deployment: Deployment, state: str, now: float, number: int) -> None:
         self.deployment, self.state, self.since = deployment, state, now  # "starting" | "serving" | "draining"
+        self.number = number  # the order the simulator started it in: breaks ties between equally loaded replicas
         self.held: list[SimRequest] = []  # prefill: requests on the replica (at most num_slots), FCFS
         self.step: list[tuple[SimRequest, int]] | None = None  # prefill: the step running (request, tokens)
         self.streams: list[SimRequest] = []  # decode: streams in the running segment
@@ -291,6 +293,7 @@ class Simulator:
         self.ft_window: dict[str, deque[SimRequest]] = {p: deque() for p in self.pools}  # first token in it
         self.timeline: dict[str, list] = {"t": []}
         self.in_flight = 0  # requests arrived and not resolved (the ingress path is busy while > 0)
+        self.started = 0  # replicas started so far (each one's ``number``)
 
     # --- set-up -------------------------------------------------------------------------------------------
     def _computed(self, req: TraceRequest) -> int:
@@ -360,8 +363,8 @@ class Simulator:
         """Give ``req`` to the deployment's least loaded serving replica with room, else its ingress queue."""
         room = [r for r in dep.replicas if r.state == "serving" and r.load < dep.capacity]
         if room:
-            rep = min(room, key=lambda r: (r.load, id(r)) if dep.kind == "decode"
-                      else (sum(q.prefill_left for q in r.held), id(r)))
+            rep = min(room, key=lambda r: (r.load, r.number) if dep.kind == "decode"
+                      else (sum(q.prefill_left for q in r.held), r.number))
             self._assign(rep, req)
         elif len(dep.queue) >= dep.pc.max_queued_requests:
             self._drop(req, "queue full")
@@ -534,7 +537,8 @@ class Simulator:
         budget = self.settings.budget
         if self._held_units() + budget.cost_of(dep.name) > budget.total + 1e-9:
             return False  # waits for a draining replica to exit
-        rep = Replica(dep, "serving" if serving else "starting", self.now)
+        self.started += 1
+        rep = Replica(dep, "serving" if serving else "starting", self.now, self.started)
         dep.account(self.now)
         dep.replicas.append(rep)
         dep.account(self.now)

@@ -19,10 +19,20 @@ from deployments.autoscaling.signals import Budget, DeploymentSignal, Observatio
 
 SLO = {"highspeed": Slo(1.0, 0.1), "standard": Slo(4.0, 0.4)}
 CAPS = {"highspeed": 4, "standard": 32}
+# The hand-computed figures below were worked out with decode sized against 0.85 x the batch cap and 0.9 x the
+# state slots (``HAND_FILLS``): they exercise the allocation, hysteresis and reasons, which work the same for any
+# fill. test_default_fills_ask_for_the_replicas_the_sequences_need checks the defaults (1.0, docs/autoscaling.md).
+HAND_FILLS = {"decode_fill": 0.85, "slots_fill": 0.9}
+
+
+def hand(**overrides) -> DeltaserveParams:
+    return DeltaserveParams(**(HAND_FILLS | overrides))
+
+
 # hysteresis tests use a short cooldown and a narrow dead band so their timelines stay readable
 # the rules below are tested without the premium pool's spare replicas (test_spare_budget_* test those)
-PLAIN = DeltaserveParams(premium_headroom=0)
-FAST = DeltaserveParams(down_cooldown_s=60.0, down_band=0.8, premium_headroom=0)
+PLAIN = hand(premium_headroom=0)
+FAST = hand(down_cooldown_s=60.0, down_band=0.8, premium_headroom=0)
 ENGINES = [f"{kind}-{pool}" for pool in ("highspeed", "standard") for kind in ("prefill", "decode")]
 
 
@@ -104,7 +114,7 @@ def scenarios(draw):
 @given(scenarios())
 def test_budget_floors_ceilings_pins_hold_for_every_policy(scenario):
     names, budget, observations = scenario
-    policies = [DeltaservePolicy(), DeltaservePolicy(DeltaserveParams(forecast_horizon_s=30.0)), RayDefaultPolicy(),
+    policies = [DeltaservePolicy(), DeltaservePolicy(hand()), DeltaservePolicy(hand(forecast_horizon_s=30.0)), RayDefaultPolicy(),
                 StaticPolicy({n: float(i) for i, n in enumerate(names)})]
     for policy in policies:
         for obs in observations:
@@ -118,7 +128,7 @@ def test_budget_floors_ceilings_pins_hold_for_every_policy(scenario):
 def test_floors_above_the_budget_name_the_floors():
     obs = observe(0.0)
     with pytest.raises(ValueError, match=r"budget 3 is below what the floors and pins cost \(4\)"):
-        DeltaservePolicy().decide(obs, Budget(3))
+        DeltaservePolicy(hand()).decide(obs, Budget(3))
 
 
 def test_budget_rejects_a_pin_outside_its_bounds():
@@ -145,7 +155,7 @@ def test_highspeed_is_protected_first_when_the_budget_is_short():
     # Budget 10: floors 4; highspeed's sustained 3 + 3 first; the 2 left to standard in proportion to its wants
     # (decode 8, prefill 6); highspeed's backlog extra (decode's 4th replica) would come after standard's
     # sustained 3 + 6, which the budget does not reach.
-    decision = DeltaservePolicy().decide(short_budget_obs(), Budget(10))
+    decision = DeltaservePolicy(hand()).decide(short_budget_obs(), Budget(10))
     assert decision.wanted == {"decode-highspeed": 4, "prefill-highspeed": 3, "decode-standard": 8,
                                "prefill-standard": 6}
     assert decision.targets == {"decode-highspeed": 3, "prefill-highspeed": 3, "decode-standard": 2,
@@ -154,14 +164,14 @@ def test_highspeed_is_protected_first_when_the_budget_is_short():
         "decode-standard: 1 -> 2: waiting 136 + running 64 = 200 vs 0.85 x batch cap 32; cut from 8 by the budget 10")
     assert decision.reasons["decode-highspeed"].endswith("; cut from 4 by the budget 10")
     # at 8 standard keeps its floors; with room for everyone's sustained need, highspeed's extra comes first
-    assert DeltaservePolicy().decide(short_budget_obs(), Budget(8)).targets == {
+    assert DeltaservePolicy(hand()).decide(short_budget_obs(), Budget(8)).targets == {
         "decode-highspeed": 3, "prefill-highspeed": 3, "decode-standard": 1, "prefill-standard": 1}
-    assert DeltaservePolicy().decide(short_budget_obs(), Budget(17)).targets == {
+    assert DeltaservePolicy(hand()).decide(short_budget_obs(), Budget(17)).targets == {
         "decode-highspeed": 4, "prefill-highspeed": 3, "decode-standard": 4, "prefill-standard": 6}
 
 
 def test_without_sustained_first_highspeed_takes_all_it_wants_first():
-    decision = DeltaservePolicy(DeltaserveParams(sustained_first=False)).decide(short_budget_obs(), Budget(10))
+    decision = DeltaservePolicy(hand(sustained_first=False)).decide(short_budget_obs(), Budget(10))
     assert decision.targets == {"decode-highspeed": 4, "prefill-highspeed": 3, "decode-standard": 2,
                                 "prefill-standard": 1}
 
@@ -174,7 +184,7 @@ def test_a_highspeed_burst_waits_behind_standards_sustained_load():
     def tick(policy, t, rate):
         return policy.decide(observe(t, prefill("highspeed", rate=rate), decode("standard", running=64)), Budget(8))
     for params, expected in ((PLAIN, {"prefill-highspeed": 3, "decode-standard": 3}),
-                             (DeltaserveParams(sustained_first=False, premium_headroom=0),
+                             (hand(sustained_first=False, premium_headroom=0),
                               {"prefill-highspeed": 5, "decode-standard": 1})):
         policy = DeltaservePolicy(params)
         for t in range(0, 101, 2):
@@ -186,7 +196,7 @@ def test_a_highspeed_burst_waits_behind_standards_sustained_load():
 
 def test_priority_order_is_a_parameter():
     obs = observe(0.0, decode("highspeed", running=8, waiting=4), decode("standard", running=64, waiting=136))
-    params = DeltaserveParams(priority=("standard", "highspeed"), sustained_first=False)
+    params = hand(priority=("standard", "highspeed"), sustained_first=False)
     assert DeltaservePolicy(params).decide(obs, Budget(8)).targets == {
         "decode-highspeed": 1, "prefill-highspeed": 1, "decode-standard": 5, "prefill-standard": 1}
 
@@ -196,7 +206,7 @@ def test_a_cpu_budget_counts_each_replica_at_its_cost():
     # (+8) and one of standard decode's sustained 3 (+4)
     cost = {"decode-highspeed": 4.0, "decode-standard": 4.0, "prefill-highspeed": 2.0, "prefill-standard": 2.0}
     obs = observe(0.0, decode("highspeed", running=8, waiting=4), decode("standard", running=64, waiting=136))
-    decision = DeltaservePolicy().decide(obs, Budget(24, cost=cost))
+    decision = DeltaservePolicy(hand()).decide(obs, Budget(24, cost=cost))
     assert decision.targets == {"decode-highspeed": 3, "prefill-highspeed": 1, "decode-standard": 2,
                                 "prefill-standard": 1}
     assert Budget(24, cost=cost).spent(decision.targets) == 24.0
@@ -205,7 +215,7 @@ def test_a_cpu_budget_counts_each_replica_at_its_cost():
 def test_pins_and_ceilings_override_the_signal():
     obs = observe(0.0, decode("highspeed", running=8, waiting=4), decode("standard", running=64, waiting=136))
     budget = Budget(20, ceilings={"decode-standard": 3}, pins={"decode-highspeed": 2})
-    decision = DeltaservePolicy().decide(obs, budget)
+    decision = DeltaservePolicy(hand()).decide(obs, budget)
     assert decision.targets["decode-highspeed"] == 2
     assert decision.targets["decode-standard"] == 3
     assert decision.reasons["decode-highspeed"].endswith("; pinned at 2")
@@ -231,14 +241,14 @@ def test_expert_shards_grow_with_the_replicas_the_budget_gives_their_callers():
     # replica on both shards (+3) and 2 units are left: they stay unspent.
     obs = observe(0.0, decode("highspeed", running=8, waiting=4), prefill("highspeed", rate=1.0),
                   decode("standard", running=64, waiting=136), prefill("standard", rate=8.0), expert(0), expert(1))
-    decision = DeltaservePolicy().decide(obs, Budget(14))
+    decision = DeltaservePolicy(hand()).decide(obs, Budget(14))
     assert decision.wanted["expert-pool-0"] == 5  # ceil(19 / 4)
     assert decision.targets == {"decode-highspeed": 3, "prefill-highspeed": 1, "decode-standard": 2,
                                 "prefill-standard": 2, "expert-pool-0": 2, "expert-pool-1": 2}
     assert decision.reasons["expert-pool-0"] == (
         "expert-pool-0: 1 -> 2: follows the 8 prefill + decode replicas given / 4 per replica")
     # 17: the 9th caller and both shards' 3rd replicas (+3), then standard prefill's 3rd and 4th (12 callers)
-    more = DeltaservePolicy().decide(obs, Budget(17))
+    more = DeltaservePolicy(hand()).decide(obs, Budget(17))
     assert more.targets == {"decode-highspeed": 3, "prefill-highspeed": 1, "decode-standard": 3,
                             "prefill-standard": 4, "expert-pool-0": 3, "expert-pool-1": 3}
 
@@ -269,7 +279,7 @@ def test_steady_load_gives_identical_targets_over_many_ticks():
 def test_spare_budget_goes_to_the_premium_pool_and_is_taken_back_first():
     # premium_headroom 1 (the default): quiet highspeed wants 1 + 1 each; standard decode's 40 running sequences
     # want 40 / (0.85 x 32) = 1.47 -> 2. Budget 8: 2 + 2 + 2 + 1 = 7, one replica unused (no more than 1 spare each).
-    policy, budget = DeltaservePolicy(), Budget(8)
+    policy, budget = DeltaservePolicy(hand()), Budget(8)
     quiet = policy.decide(observe(0.0, decode("standard", running=40)), budget)
     assert quiet.targets == {"prefill-highspeed": 2, "decode-highspeed": 2, "decode-standard": 2, "prefill-standard": 1}
     assert quiet.wanted["prefill-highspeed"] == quiet.wanted["decode-highspeed"] == 1
@@ -291,7 +301,7 @@ def test_spare_budget_goes_to_the_premium_pool_and_is_taken_back_first():
 def test_a_spare_that_fits_once_goes_to_prefill_first():
     # budget 6: floors 4, standard decode wants 2 (40 running) -> one replica left for highspeed's spare:
     # prefill's (a surge breaches time to first token before it fills decode's batch)
-    d = DeltaservePolicy().decide(observe(0.0, decode("standard", running=40)), Budget(6))
+    d = DeltaservePolicy(hand()).decide(observe(0.0, decode("standard", running=40)), Budget(6))
     assert d.targets == {"prefill-highspeed": 2, "decode-highspeed": 1, "decode-standard": 2, "prefill-standard": 1}
 
 
@@ -299,7 +309,7 @@ def test_a_spare_stays_put_while_the_want_beside_it_grows_within_what_it_holds()
     # budget 6, quiet: highspeed gets one spare each (2 + 2). Its prefill's want then rises to 2 (1.5 req/s of
     # 600 tokens at 1,000 tokens/s): prefill already holds 2, so nothing moves (before, decode's spare moved to
     # prefill: one replica stopped and one started for nothing). At a want of 3 the spare is taken back.
-    policy, budget = DeltaservePolicy(), Budget(6)
+    policy, budget = DeltaservePolicy(hand()), Budget(6)
     quiet = policy.decide(observe(0.0), budget)
     assert (quiet.targets["prefill-highspeed"], quiet.targets["decode-highspeed"]) == (2, 2)
     busier = policy.decide(observe(2.0, prefill("highspeed", replicas=2, rate=1.5, prompt=600.0),
@@ -314,7 +324,7 @@ def test_a_spare_stays_put_while_the_want_beside_it_grows_within_what_it_holds()
 def test_an_idle_premium_pool_keeps_its_spare_above_the_floor():
     # no highspeed load for longer than the cooldown: its wants fall to 0, below the floors (1). The spare round
     # counts from the floor, so the first request of a surge still meets floor + premium_headroom replicas
-    policy, budget = DeltaservePolicy(DeltaserveParams(down_cooldown_s=60.0, down_band=0.8)), Budget(6)
+    policy, budget = DeltaservePolicy(hand(down_cooldown_s=60.0, down_band=0.8)), Budget(6)
     d = None
     for i in range(40):
         d = policy.decide(observe(2.0 * i), budget)
@@ -343,7 +353,7 @@ def test_a_starting_replica_is_not_taken_back_until_it_serves():
     check_bounds(kept.targets, budget)
     served = DeltaservePolicy(PLAIN).decide(observe(0.0, prefill("highspeed", **hs), grown), budget)
     assert served.targets["prefill-highspeed"] == 2 and served.targets["decode-standard"] == 3
-    cancel = after_the_raise(DeltaserveParams(premium_headroom=0, keep_starting=False), budget)
+    cancel = after_the_raise(hand(premium_headroom=0, keep_starting=False), budget)
     assert cancel.targets["prefill-highspeed"] == 2 and cancel.targets["decode-standard"] == 3
     # a smaller budget (ops budget) still wins over a start-up
     small = after_the_raise(PLAIN, Budget(5))
@@ -365,7 +375,7 @@ def test_prefill_capacity_is_the_decaying_peak_of_the_measured_rate():
 
     assert need(PLAIN, 2.0) == pytest.approx(1000 / (0.7 * 1000 * math.exp(-2.0 / 300)))
     assert need(PLAIN, 900.0) == pytest.approx(1000 / (0.7 * 400))   # the peak has decayed below the measure
-    assert need(DeltaserveParams(premium_headroom=0, capacity_tau_s=0.0), 2.0) == pytest.approx(1000 / (0.7 * 400))
+    assert need(hand(premium_headroom=0, capacity_tau_s=0.0), 2.0) == pytest.approx(1000 / (0.7 * 400))
 
 
 def test_a_surge_scales_up_within_one_tick():
@@ -430,7 +440,7 @@ def test_scale_down_goes_to_the_largest_count_the_low_period_needed():
 
 def test_prefill_need_adds_the_arrival_rate_and_draining_the_queue():
     # 4/s x 500 tok = 2000 tok/s over 0.7 x 1000 = 2.857; 3000 tok queued / (1000 tok/s x 0.5 x 4 s) = 1.5
-    need = prefill_need(prefill("standard", rate=4.0, queued=3000), SLO["standard"], DeltaserveParams())
+    need = prefill_need(prefill("standard", rate=4.0, queued=3000), SLO["standard"], hand())
     assert math.isclose(need.replicas, 2000 / 700 + 1.5)
     assert need.why == ("arrivals 4/s x 500 prompt tokens = 2e+03 tok/s vs 0.7 x 1e+03 tok/s per replica + 3000 "
                         "prefill tokens queued vs 1e+03 tok/s per replica x 2 s")
@@ -438,7 +448,7 @@ def test_prefill_need_adds_the_arrival_rate_and_draining_the_queue():
 
 
 def test_prefill_ttft_breach_and_busy_fallback():
-    p = DeltaserveParams()
+    p = hand()
     breach = prefill_need(prefill("highspeed", replicas=2, rate=0.1, ttft=3.0), SLO["highspeed"], p)
     assert (breach.replicas, breach.breach) == (4.0, True)  # 2 x min(3 / 1, 2)
     assert breach.why == "ttft p95 3 s > target 1 s"
@@ -451,13 +461,13 @@ def test_prefill_ttft_breach_and_busy_fallback():
 def test_decode_need_takes_the_state_slots_when_they_bind():
     s = DeploymentSignal("decode-standard", "standard", "decode", 2, running=10, batch_cap=32, slots_used=60,
                          slots_total=64)
-    need = decode_need(s, SLO["standard"], DeltaserveParams())
+    need = decode_need(s, SLO["standard"], hand())
     assert math.isclose(need.replicas, 60 / (32 * 0.9))
     assert need.why == "slots 60 used vs 0.9 x 32 per replica"
 
 
 def test_the_forecast_sizes_prefill_ahead_of_a_rising_rate():
-    plain, ahead = DeltaservePolicy(), DeltaservePolicy(DeltaserveParams(forecast_horizon_s=30.0))
+    plain, ahead = DeltaservePolicy(hand()), DeltaservePolicy(hand(forecast_horizon_s=30.0))
     budget = Budget(20)
     for t in range(0, 40, 2):
         obs = observe(float(t), prefill("standard", rate=1.0 + 0.05 * t))  # +0.1 req/s per tick
@@ -467,7 +477,7 @@ def test_the_forecast_sizes_prefill_ahead_of_a_rising_rate():
 
 
 def test_time_going_backwards_is_an_error():
-    policy = DeltaservePolicy()
+    policy = DeltaservePolicy(hand())
     policy.decide(observe(10.0), Budget(8))
     with pytest.raises(ValueError, match="observation time 9.0 is before the previous one 10.0"):
         policy.decide(observe(9.0), Budget(8))
@@ -561,3 +571,19 @@ def test_delay_logic_matches_serve(wishes, up_delay, down_delay):
         serve_target, serve_state = _apply_delay_logic(desired, serve_target, config, serve_state, _now=now)
         ours.target, _ = policy._delay(ours, desired, now, 1)
         assert ours.target == serve_target
+
+
+def test_default_fills_ask_for_the_replicas_the_sequences_need():
+    """By default decode is sized by the sequences it holds against the batch cap and the state slots, with no
+    headroom: a full batch is one replica, a sequence waiting beyond the tolerance asks for the next at once."""
+    p = DeltaserveParams()
+    assert (p.decode_fill, p.slots_fill) == (1.0, 1.0)
+    full = decode_need(decode("highspeed", running=4), SLO["highspeed"], p)
+    assert (full.replicas, full.why) == (1.0, "waiting 0 + running 4 = 4 vs 1 x batch cap 4")
+    assert DeltaservePolicy(DeltaserveParams(premium_headroom=0)).decide(
+        observe(0.0, decode("highspeed", running=4)), Budget(8)).targets["decode-highspeed"] == 1
+    assert DeltaservePolicy(DeltaserveParams(premium_headroom=0)).decide(
+        observe(0.0, decode("highspeed", running=4, waiting=1)), Budget(8)).targets["decode-highspeed"] == 2
+    slots = DeploymentSignal("decode-standard", "standard", "decode", 1, running=20, batch_cap=32, slots_used=32,
+                             slots_total=32)
+    assert decode_need(slots, SLO["standard"], p).replicas == 1.0

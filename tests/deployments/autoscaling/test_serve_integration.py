@@ -4,7 +4,7 @@ publishes its decision with the signal that set each target, and settings re-app
 (a pin, a pause) are honoured. One platform for every check.
 
 The budget counts Ray CPUs: a replica reserves 0.1, a decode-standard one 0.2 (replica_resources). standard's
-batch cap is 4 here, so 12 open streams ask for 12 / (0.85 x 4) -> 4 decode replicas; once the other three
+batch cap is 4 here, so 12 open streams ask for 12 / 4 -> 3 decode replicas; once the other three
 deployments hold their floor of 1 (0.3 CPU), the 0.4 CPU left gives decode-standard a ceiling of 2 (Serve's
 max_replicas).
 """

@@ -175,7 +175,7 @@ def test_the_policy_keeps_the_targets_cpus_within_a_cpu_budget():
     published: list[dict] = []
     p = ServeAutoscalingPolicy(**policy["policy_kwargs"], publish=lambda b: published.append(json.loads(b)),
                                clock=Clock())
-    decisions, _ = p(contexts({"running": 64}))  # 64 running + 8 queued vs 0.85 x 32 a replica: 3 replicas
+    decisions, _ = p(contexts({"running": 64}))  # 64 running + 8 queued vs 32 a replica: 3 replicas
     assert decisions["id:decode-standard"] == 2 and decisions["id:prefill-standard"] == 1
     status = published[-1]
     assert (status["budget"], status["unit"], status["spent"]) == (8.0, "cpus", 7.0)
@@ -185,7 +185,7 @@ def test_the_policy_keeps_the_targets_cpus_within_a_cpu_budget():
     p = ServeAutoscalingPolicy(**policy["policy_kwargs"], publish=lambda b: published.append(json.loads(b)),
                                clock=Clock())
     both = contexts({"running": 40})
-    both["id:decode-highspeed"] = ctx("decode-highspeed", 1, [report(running=12)])
+    both["id:decode-highspeed"] = ctx("decode-highspeed", 1, [report(running=16)])  # 16 vs batch cap 4: 4 replicas
     decisions, _ = p(both)
     assert (decisions["id:decode-highspeed"], decisions["id:decode-standard"]) == (4, 1)
     assert published[-1]["spent"] == 8.0
@@ -264,19 +264,19 @@ def contexts(decode_standard_load: dict | None = None) -> dict:
 def test_the_policy_object_decides_per_interval_and_publishes_its_status():
     policy, published, clock = policy_for()
     decisions, state = policy(contexts({"running": 4}))
-    # 4 running + 8 queued in the ingress's handle vs 0.85 x batch cap 32: one replica is enough
+    # 4 running + 8 queued in the ingress's handle vs batch cap 32: one replica is enough
     assert decisions == dict.fromkeys(contexts(), 1) and state == {}
     status = published[-1]
     assert set(status) == {"time", "paused", "budget", "unit", "spent", "deployments"}
     assert (status["budget"], status["unit"], status["spent"], status["paused"]) == (5.0, "replicas", 4.0, False)
     assert status["deployments"]["decode-standard"] == {
         "current": 1, "target": 1, "wanted": 1, "pinned": False,
-        "reason": "decode-standard: 1 -> 1: waiting 8 + running 4 = 12 vs 0.85 x batch cap 32"}
+        "reason": "decode-standard: 1 -> 1: waiting 8 + running 4 = 12 vs 1 x batch cap 32"}
     clock.now += 1.9
     assert policy(contexts({"running": 32})) == ({}, {}) and len(published) == 1  # within the interval: no decision
     clock.now += 0.1
     decisions, _ = policy(contexts({"running": 32}))
-    assert decisions["id:decode-standard"] == 2 and len(published) == 2  # 40 / 27.2 -> 2, the budget's last replica
+    assert decisions["id:decode-standard"] == 2 and len(published) == 2  # 40 / 32 -> 2, the budget's last replica
     assert "cut from" not in published[-1]["deployments"]["decode-standard"]["reason"]
 
 

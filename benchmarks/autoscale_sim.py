@@ -293,8 +293,8 @@ def main() -> int:
                          title="Autoscaler policies in the simulator: the Azure 2023 hour")
     record = json.loads(paths["json"].read_text())
     record |= {"runs": runs, "needed_budget": need, "idle_ceiling": ceiling, "relative_target": relative,
-               "needed_budget_relative": need_rel, "cheapest_fixed_split": fixed, "checks": [{"check": w, "passed": ok, "figures": n}
-                                                                for w, ok, n in verdicts], "main_budget": args.main}
+               "needed_budget_relative": need_rel, "cheapest_fixed_split": fixed,
+               "checks": [{"check": w, "passed": ok, "figures": n} for w, ok, n in verdicts], "main_budget": args.main}
     paths["json"].write_text(json.dumps(record, indent=2, default=str) + "\n")
     if timeline is not None:
         plot_timelines(timeline, RESULTS_DIR / "autoscale_sim.timeline.png")

@@ -114,8 +114,8 @@ def scenarios(draw):
 @given(scenarios())
 def test_budget_floors_ceilings_pins_hold_for_every_policy(scenario):
     names, budget, observations = scenario
-    policies = [DeltaservePolicy(), DeltaservePolicy(hand()), DeltaservePolicy(hand(forecast_horizon_s=30.0)), RayDefaultPolicy(),
-                StaticPolicy({n: float(i) for i, n in enumerate(names)})]
+    policies = [DeltaservePolicy(), DeltaservePolicy(hand()), DeltaservePolicy(hand(forecast_horizon_s=30.0)),
+                RayDefaultPolicy(), StaticPolicy({n: float(i) for i, n in enumerate(names)})]
     for policy in policies:
         for obs in observations:
             decision = policy.decide(obs, budget)

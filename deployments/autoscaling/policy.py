@@ -28,7 +28,7 @@ class Need:
     """What one deployment's own signal asks for, before hysteresis and the budget."""
 
     replicas: float   # replicas the signal needs (fractional: 2.4 means "more than 2")
-    why: str          # the rule and values that set it, e.g. "waiting 9 + running 16 = 25 vs 1 x batch cap 4"
+    why: str          # the rule and values that set it, e.g. "waiting 9 + running 16 = 25 vs batch cap 4"
     breach: bool      # a latency target is missed now (scale up without waiting)
     base: float = 0.0  # the sustained part: arrival rate or running sequences, without backlog or breach terms
 
@@ -257,16 +257,21 @@ def decode_need(s: DeploymentSignal, slo: Slo, p: DeltaserveParams) -> Need:
     seqs = s.running + s.waiting
     base = s.running / (s.batch_cap * p.decode_fill)
     terms = [(seqs / (s.batch_cap * p.decode_fill),
-              f"waiting {s.waiting} + running {s.running} = {seqs} vs {_fmt(p.decode_fill)} x batch cap {s.batch_cap}")]
+              f"waiting {s.waiting} + running {s.running} = {seqs} vs {_share(p.decode_fill)}batch cap {s.batch_cap}")]
     if s.slots_total:
         per_replica = s.slots_total / max(s.replicas, 1)
         base = max(base, s.slots_used / (per_replica * p.slots_fill))
         terms.append((s.slots_used / (per_replica * p.slots_fill),
-                      f"slots {s.slots_used} used vs {_fmt(p.slots_fill)} x {_fmt(per_replica)} per replica"))
+                      f"slots {s.slots_used} used vs {_share(p.slots_fill)}{_fmt(per_replica)} per replica"))
     if s.tpot_s is not None and s.tpot_s > slo.tpot_s:
         return _breach(s, terms, s.tpot_s / slo.tpot_s, f"tpot p95 {_fmt(s.tpot_s)} s > target {_fmt(slo.tpot_s)} s", p,
                        base)
     return _largest(terms, base)
+
+
+def _share(fill: float) -> str:
+    """``"0.85 x "`` in a reason line; nothing for a fill of 1 (the whole cap)."""
+    return "" if fill == 1 else f"{_fmt(fill)} x "
 
 
 def expert_need(s: DeploymentSignal, p: DeltaserveParams) -> Need:

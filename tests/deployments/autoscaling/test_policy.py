@@ -579,11 +579,12 @@ def test_default_fills_ask_for_the_replicas_the_sequences_need():
     p = DeltaserveParams()
     assert (p.decode_fill, p.slots_fill) == (1.0, 1.0)
     full = decode_need(decode("highspeed", running=4), SLO["highspeed"], p)
-    assert (full.replicas, full.why) == (1.0, "waiting 0 + running 4 = 4 vs 1 x batch cap 4")
+    assert (full.replicas, full.why) == (1.0, "waiting 0 + running 4 = 4 vs batch cap 4")
     assert DeltaservePolicy(DeltaserveParams(premium_headroom=0)).decide(
         observe(0.0, decode("highspeed", running=4)), Budget(8)).targets["decode-highspeed"] == 1
     assert DeltaservePolicy(DeltaserveParams(premium_headroom=0)).decide(
         observe(0.0, decode("highspeed", running=4, waiting=1)), Budget(8)).targets["decode-highspeed"] == 2
     slots = DeploymentSignal("decode-standard", "standard", "decode", 1, running=20, batch_cap=32, slots_used=32,
                              slots_total=32)
-    assert decode_need(slots, SLO["standard"], p).replicas == 1.0
+    need = decode_need(slots, SLO["standard"], p)
+    assert (need.replicas, need.why) == (1.0, "slots 32 used vs 32 per replica")

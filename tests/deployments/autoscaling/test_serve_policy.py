@@ -271,7 +271,7 @@ def test_the_policy_object_decides_per_interval_and_publishes_its_status():
     assert (status["budget"], status["unit"], status["spent"], status["paused"]) == (5.0, "replicas", 4.0, False)
     assert status["deployments"]["decode-standard"] == {
         "current": 1, "target": 1, "wanted": 1, "pinned": False,
-        "reason": "decode-standard: 1 -> 1: waiting 8 + running 4 = 12 vs 1 x batch cap 32"}
+        "reason": "decode-standard: 1 -> 1: waiting 8 + running 4 = 12 vs batch cap 32"}
     clock.now += 1.9
     assert policy(contexts({"running": 32})) == ({}, {}) and len(published) == 1  # within the interval: no decision
     clock.now += 0.1

@@ -324,13 +324,17 @@ def measure_live_startup(platform, deployment: str, n: int, *, idle_s: float = 5
     spent = sum(v - start_cpu.get(pid, 0.0) for pid, v in end_cpu.items())
     cpu = max(0.0, spent - idle_rate * wall)
     _scale(deployment, n)
-    return {"seconds": starting if starting is not None else wall, "apply_to_running_s": wall, "cpu_s": cpu,
+    seconds = starting if starting is not None else wall
+    # cpu_s / seconds is the cores a start-up keeps busy (Profile.startup_units): the change's CPU at its mean rate
+    # over the start-up's own seconds
+    return {"seconds": seconds, "apply_to_running_s": wall, "cpu_s": cpu * seconds / wall, "cpu_total_s": cpu,
             "idle_cpu_rate": idle_rate, "deployment": deployment,
             "source": f"live: {deployment} set to {n + 1} replicas from a Ray driver on the idle static platform; "
                       "seconds: from the replica's first STARTING state in serve.status() to RUNNING (what a start "
                       "the autoscaler orders takes; apply_to_running_s adds the config apply, which an autoscaler "
-                      "decision does not go through); CPU of every process under deltaserve up beyond its idle rate "
-                      "over the whole change (benchmarks/autoscale_live.py measure_live_startup)"}
+                      "decision does not go through); cpu_total_s: CPU of every process under deltaserve up beyond "
+                      "its idle rate over the whole change, cpu_s: the same at its mean rate over seconds "
+                      "(benchmarks/autoscale_live.py measure_live_startup)"}
 
 
 def run_live(mode: str, requests: list[TraceRequest], split: dict[str, int], budget: int, poll_s: float,

@@ -653,7 +653,8 @@ def _startup_sentence(startup: dict) -> str:
                 "meanwhile.")
     units = max(1.0, startup["cpu_s"] / startup["seconds"]) if startup["seconds"] > 0 else 1.0
     return (f"A replica's start-up, measured on the idle static platform before its replay ({startup['deployment']} "
-            f"one replica up, from the benchmark's Ray driver): {startup['seconds']:.1f} s from STARTING to RUNNING and {startup['cpu_s']:.1f} CPU s "
+            f"one replica up, from the benchmark's Ray driver): {startup['seconds']:.1f} s from STARTING to RUNNING and "
+            f"{startup.get('cpu_total_s', startup['cpu_s']):.1f} CPU s "
             f"across the platform's processes beyond their idle rate, so a starting replica counts as {units:.2f} "
             "busy units.")
 

@@ -186,6 +186,7 @@ def test_status_shows_each_deployments_target_and_the_signal_that_set_it():
     assert rows["decode-standard"][:7] == ["decode-standard", "HEALTHY", "1", "1", "-", "0", "3"]
     assert rows["prefill-standard"][1] == "MISSING" and rows["prefill-standard"][-1] == "no decision published yet"
     assert "standard    99.5%    0.500 s   0.050 s   1.25" in text
+    assert "highspeed   -        -         -         -" in text  # served nothing in the window: a row all the same
     assert "  decode-highspeed#h2  STARTING" in text
     assert report.to_json()["autoscaler"] == {"mode": "on", "budget": 6.0, "unit": "replicas", "spent": 5.0,
                                               "decided_s_ago": 3.0, "note": ""}

@@ -3,10 +3,16 @@
 One trace of a few minutes (:func:`surge_trace`, seeded): standard at a steady Poisson rate throughout, highspeed
 at a low rate that surges for ``--surge-s`` seconds in the middle and drops back. It is replayed open-loop (every
 request sent at its arrival time, streamed, ``ignore_eos``: exactly its output length) on `deltaserve up`
-(``tests/deployments/platform_fixture.start_platform``: free ports, no cache, experts colocated) twice:
+(``tests/deployments/platform_fixture.start_platform``: free ports, no cache, experts colocated) once per policy
+(``--modes``):
 
 * **static**: the budget of ``--budget`` engine replicas split as the simulator's ``static`` policy splits it (in
   proportion to each deployment's mean load over this trace), given as ``--replicas``;
+* **ray-default**: Serve's own per-deployment autoscaler (its default policy, the simulator's ``ray-default``):
+  the static platform, then its Serve config applied again with an ``autoscaling_config`` per engine deployment
+  (:func:`ray_default_autoscaling`: the static split as the initial counts and as the ceilings, which sum to the
+  budget; floors 1; ``target_ongoing_requests`` the pool's batch cap; Serve's defaults otherwise, but the
+  downscale delay in the replay's seconds);
 * **autoscale**: ``--autoscale --budget N``, the same counts as the initial ones.
 
 Per run and pool: TTFT and TPOT p50 / p95 measured at the client (TTFT: send to first streamed chunk; TPOT:
@@ -57,6 +63,8 @@ from benchmarks.report import RESULTS_DIR
 from deployments.autoscaling.policy import (
     DeltaserveParams,
     DeltaservePolicy,
+    RayDefaultParams,
+    RayDefaultPolicy,
     StaticPolicy,
     proportional_split,
 )
@@ -121,6 +129,7 @@ def surge_trace(shape: SurgeShape) -> list[TraceRequest]:
 
 
 REPLAY_INTERVAL_S = 2.0  # the autoscaler's tick in the replay (the default 5 s is a sixth of the 30 s target)
+REPLAY_DOWN_COOLDOWN_S = 20.0  # scale-down waits this long in the replay (real time: 900 s deltaserve, 600 s Serve)
 
 
 def live_params(shape: SurgeShape, premium_headroom: int = DeltaserveParams().premium_headroom) -> DeltaserveParams:
@@ -128,7 +137,7 @@ def live_params(shape: SurgeShape, premium_headroom: int = DeltaserveParams().pr
     defaults are for real time: 600 s down cooldown, 120 s sustained average), and the premium pool's spare
     replicas (``--premium-headroom``). The live platform gets them through its config's ``autoscale.policy``
     (:func:`live_config`), the simulator as the policy's params."""
-    return DeltaserveParams(down_cooldown_s=20.0, sustained_tau_s=15.0, premium_headroom=premium_headroom)
+    return DeltaserveParams(down_cooldown_s=REPLAY_DOWN_COOLDOWN_S, sustained_tau_s=15.0, premium_headroom=premium_headroom)
 
 
 def live_config(shape: SurgeShape, premium_headroom: int = DeltaserveParams().premium_headroom) -> dict:
@@ -138,6 +147,29 @@ def live_config(shape: SurgeShape, premium_headroom: int = DeltaserveParams().pr
     p, d = live_params(shape, premium_headroom), DeltaserveParams()
     return {"autoscale": {"interval_s": REPLAY_INTERVAL_S,
                           "policy": {k: v for k, v in asdict(p).items() if v != getattr(d, k)}}}
+
+
+def ray_default_params() -> RayDefaultParams:
+    """Serve's default autoscaler for the compressed replay: its defaults, but the downscale delay (600 s in real
+    time) in the replay's seconds, as the deltaserve run's down cooldown is (:func:`live_params`)."""
+    return RayDefaultParams(downscale_delay_s=REPLAY_DOWN_COOLDOWN_S)
+
+
+def ray_default_autoscaling(split: dict[str, int], config: PlatformConfig, params: RayDefaultParams,
+                            budget: int, loads: dict[str, float]) -> dict[str, dict]:
+    """The ``autoscaling_config`` of each engine deployment for the live ``ray-default`` run: what
+    :class:`RayDefaultPolicy` models (its ceilings: the budget split by ``loads``, summing to the budget; its
+    target per replica: the pool's batch cap), in Serve's ``AutoscalingConfig`` fields."""
+    ceilings = RayDefaultPolicy(params, weights=loads).ceilings(sorted(split), Budget(total=budget))
+    out = {}
+    for name in sorted(split):
+        pool = name.split("-", 1)[1]
+        out[name] = {"min_replicas": 1, "max_replicas": ceilings[name], "initial_replicas": split[name],
+                     "target_ongoing_requests": params.target_fraction * config.pools[pool].max_num_seqs,
+                     "look_back_period_s": params.look_back_period_s, "upscale_delay_s": params.upscale_delay_s,
+                     "downscale_delay_s": params.downscale_delay_s, "upscaling_factor": params.upscaling_factor,
+                     "downscaling_factor": params.downscaling_factor}
+    return out
 
 
 def static_split(requests: list[TraceRequest], profile: Profile, config: PlatformConfig, budget: int) -> dict[str, int]:
@@ -337,11 +369,29 @@ def measure_live_startup(platform, deployment: str, n: int, *, idle_s: float = 5
                       "(benchmarks/autoscale_live.py measure_live_startup)"}
 
 
+def _serve_autoscaled(names: list[str], timeout_s: float = 60.0) -> None:
+    """Wait until Serve's controller holds an ``autoscaling_config`` for each of ``names`` (applied)."""
+    from deployments.autoscaling.live import deployment_details
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        deps = deployment_details()
+        if all((deps.get(n, {}).get("deployment_config") or {}).get("autoscaling_config") for n in names):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"Serve did not take the autoscaling configs of {names} within {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
 def run_live(mode: str, requests: list[TraceRequest], split: dict[str, int], budget: int, poll_s: float,
-             workdir: Path, shape: SurgeShape, calibrate=None, headroom: int = DeltaserveParams().premium_headroom) -> dict:
+             workdir: Path, shape: SurgeShape, calibrate=None, headroom: int = DeltaserveParams().premium_headroom,
+             serve_autoscaling: dict[str, dict] | None = None) -> dict:
     """One `deltaserve up` (static split, or --autoscale from it with :func:`live_config`), the replay, the
-    replica timeline. ``calibrate(url, key)``, when given, runs on the idle platform before the replay (the
-    ingress measurement); its result is returned as ``calibration``."""
+    replica timeline. ``serve_autoscaling`` (the ``ray-default`` run): Serve's own autoscaler, these
+    ``autoscaling_config``s applied to the static platform before the warm-up. ``calibrate(url, key)``, when
+    given, runs on the idle platform before the replay (the ingress measurement); its result is returned as
+    ``calibration``."""
+    from deployments.autoscaling.live import apply_app_config, running_app_config, with_serve_autoscaling
     from tests.deployments.platform_fixture import ray_driver, start_platform
 
     args = [a for name, n in sorted(split.items()) for a in ("--replicas", f"{name}={n}")]
@@ -353,6 +403,9 @@ def run_live(mode: str, requests: list[TraceRequest], split: dict[str, int], bud
     started = time.perf_counter()
     with start_platform(workdir / mode, *args) as platform, ray_driver(platform):
         ready_s = time.perf_counter() - started
+        if serve_autoscaling:
+            apply_app_config(with_serve_autoscaling(running_app_config(), serve_autoscaling))
+            _serve_autoscaled(sorted(serve_autoscaling))
         warm = replay(platform.http_url, platform.key, [TraceRequest(0.0, p, 16, 4) for p in MODELS])
         calibration = calibrate(platform.http_url, platform.key) if calibrate else None
         if calibrate:
@@ -364,7 +417,8 @@ def run_live(mode: str, requests: list[TraceRequest], split: dict[str, int], bud
         log_tail = platform.output[-40:]
     shown = [a if not a.endswith("platform.json") else "autoscale_live_config.json" for a in args]
     return {"mode": mode, "args": shown, "ready_s": ready_s, "warm_errors": [o.error for o in warm if o.error],
-            "config": live_config(shape, headroom) if mode == "autoscale" else None, "calibration": calibration,
+            "config": live_config(shape, headroom) if mode == "autoscale" else None,
+            "serve_autoscaling": serve_autoscaling, "calibration": calibration,
             "outcomes": [asdict(o) | {"aborted": o.aborted} for o in outcomes],
             "replicas": [{"t": t, **c} for t, c in poller.samples], "decisions": poller.decisions,
             "log_tail": log_tail}
@@ -471,7 +525,7 @@ def plot(path: Path, requests: list[TraceRequest], shape: SurgeShape, runs: dict
     ax.set(title="load (arrivals / s, 5 s bins)", xlabel="seconds")
     ax.legend(fontsize=8)
     ax = axes[1]
-    for mode, style in (("autoscale", "-"), ("static", ":")):
+    for mode, style in (("autoscale", "-"), ("ray-default", "-."), ("static", ":")):
         if mode not in runs:
             continue
         samples = runs[mode]["replicas"]
@@ -526,7 +580,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget", type=int, default=6, help="engine replicas (default 6)")
     ap.add_argument("--profile", default=None, help="profile JSON to use (default: measure one now)")
-    ap.add_argument("--modes", default="static,autoscale", help="live runs, comma-separated (static, autoscale)")
+    ap.add_argument("--modes", default="static,ray-default,autoscale",
+                    help="live runs, comma-separated (static, ray-default, autoscale)")
     ap.add_argument("--predict-only", action="store_true", help="the simulator's side only (no platform)")
     ap.add_argument("--poll-s", type=float, default=2.0, help="seconds between replica samples")
     ap.add_argument("--surge-rate", type=float, default=SurgeShape.highspeed_surge_rate,
@@ -563,6 +618,8 @@ def main() -> int:
         profile = load_profile(args.profile or measure_profile(work / "profile.json"))
         profile_data = json.loads(Path(profile.source).read_text())
         split = static_split(requests, profile, config, args.budget)
+        loads = offered_load(requests, profile, config, 0.0)
+        serve_autoscaling = ray_default_autoscaling(split, config, ray_default_params(), args.budget, loads)
         interval = REPLAY_INTERVAL_S
         lengths = {"standard": (shape.standard_prompt, shape.standard_output),
                    "highspeed": (shape.highspeed_prompt, shape.highspeed_output)}
@@ -577,10 +634,15 @@ def main() -> int:
                 raise SystemExit(f"--reuse {args.reuse}: its trace shape differs from this run's")
             runs |= {m: r | {"reused_from": args.reuse} for m, r in earlier["runs"].items()}
         if not args.predict_only:
-            for i, mode in enumerate(m.strip() for m in args.modes.split(",") if m.strip()):
+            modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+            unknown = sorted(set(modes) - {"static", "ray-default", "autoscale"})
+            if unknown:
+                raise SystemExit(f"--modes: unknown run {unknown[0]!r}; choose from static, ray-default, autoscale")
+            for i, mode in enumerate(modes):
                 print(f"autoscale_live: live run {mode}", file=sys.stderr, flush=True)
                 runs[mode] = run_live(mode, requests, split, args.budget, args.poll_s, work, shape,
-                                      calibrate if i == 0 else None, args.premium_headroom)
+                                      calibrate if i == 0 else None, args.premium_headroom,
+                                      serve_autoscaling if mode == "ray-default" else None)
                 if runs[mode]["calibration"]:
                     profile_data["ingress"] = runs[mode]["calibration"]["ingress"] | {"measured_in": mode}
                     profile_data["replica_startup"] = (profile_data["replica_startup"]
@@ -591,6 +653,7 @@ def main() -> int:
         (work / "profile_live.json").write_text(json.dumps(profile_data))
         shared = load_profile(work / "profile_live.json")
         policies = {"static": lambda: StaticPolicy(split),
+                    "ray-default": lambda: RayDefaultPolicy(ray_default_params(), weights=loads),
                     "autoscale": lambda: DeltaservePolicy(live_params(shape, args.premium_headroom))}
         sims = {m: predict(requests, make(), shared, config, args.budget, interval, split, m)
                 for m, make in policies.items()}
@@ -687,6 +750,8 @@ def report(rec: dict, config: PlatformConfig) -> str:
                " The abstract model (each replica its own hardware, no ingress) is the last column."), ""]
     for mode, run in rec["runs"].items():
         lines.append(f"- live run `{mode}`: `deltaserve up {' '.join(run['args'])}`, ready after {run['ready_s']:.0f} s"
+                     + (f"; then Serve's own autoscaler, per deployment: {run['serve_autoscaling']}"
+                        if run.get("serve_autoscaling") else "")
                      + (f"; measured in an earlier run of this benchmark ({run['reused_from']}), same trace and profile"
                         if run.get("reused_from") else ""))
     lines.append("")
@@ -726,10 +791,9 @@ def report(rec: dict, config: PlatformConfig) -> str:
     if used:
         lines += ["", "Engine replica-seconds over the replay (running replicas as sampled, from the first request to "
                       "the last sample): " + ", ".join(f"{m} {v:.0f}" for m, v in used.items()) + "."]
-    if "autoscale" in rec["measured"] and "static" in rec["measured"]:
-        a, s = rec["measured"]["autoscale"]["highspeed"], rec["measured"]["static"]["highspeed"]
-        lines += ["", (f"Highspeed attainment, same trace, same budget: autoscale {a['slo_attainment']:.3f} vs static "
-                       f"{s['slo_attainment']:.3f}.")]
+    if len(rec["measured"]) > 1:
+        lines += ["", "Highspeed attainment, same trace, same budget: " + ", ".join(
+            f"{m} {v['highspeed']['slo_attainment']:.3f}" for m, v in rec["measured"].items()) + "."]
     return "\n".join(lines)
 
 

@@ -41,6 +41,12 @@ def running_app_config(app: str = APP_NAME) -> dict:
     return copy.deepcopy(apps[app]["deployed_app_config"])
 
 
+def deployment_details(app: str = APP_NAME) -> dict[str, dict]:
+    """Serve's details of ``app``'s deployments by name: status, replicas, and the ``deployment_config`` it
+    applies (where an ``autoscaling_config`` shows that Serve took one)."""
+    return _client().get_serve_details()["applications"][app]["deployments"]
+
+
 def apply_app_config(config: dict) -> None:
     """Apply ``config`` (one application) again; the other applications stay as they are."""
     from ray.serve.schema import ServeDeploySchema
@@ -66,6 +72,27 @@ def with_replicas(config: dict, counts: dict[str, int]) -> dict:
         if d.get("autoscaling_config"):
             raise ValueError(f"{name} is sized by the autoscaler: pin it (settings.pins) instead of setting a count")
         d["num_replicas"] = n
+    return out
+
+
+def with_serve_autoscaling(config: dict, autoscaling: dict[str, dict]) -> dict:
+    """``config`` with Serve's own per-deployment autoscaler on the named deployments: each gets
+    ``autoscaling[name]`` (``AutoscalingConfig`` fields: ``min_replicas``, ``max_replicas``,
+    ``target_ongoing_requests``, delays, ...) as its ``autoscaling_config`` in place of a fixed count, the way a
+    Ray Serve user turns on Serve's default policy in a config file. ValueError when the application runs the
+    deltaserve autoscaler (its application-level policy sizes these deployments already)."""
+    if config.get("autoscaling_policy"):
+        raise ValueError(f"application {config.get('name')!r} runs the deltaserve autoscaler: Serve's per-deployment "
+                         "autoscaler would size the same deployments")
+    out = copy.deepcopy(config)
+    overrides = {d["name"]: d for d in out.setdefault("deployments", [])}
+    for name, settings in autoscaling.items():
+        d = overrides.get(name)
+        if d is None:
+            d = overrides[name] = {"name": name}
+            out["deployments"].append(d)
+        d.pop("num_replicas", None)
+        d["autoscaling_config"] = dict(settings)
     return out
 
 

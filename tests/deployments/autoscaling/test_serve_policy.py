@@ -139,6 +139,26 @@ def test_serve_config_pieces_from_the_platform_config():
     assert off.autoscaling_policy is None and all(d.num_replicas == 1 for d in off.deployments)
 
 
+def test_serve_s_own_autoscaler_replaces_the_fixed_counts_in_a_config_serve_accepts():
+    from ray.serve.schema import ServeDeploySchema
+
+    from deployments.autoscaling.live import with_serve_autoscaling
+    from deployments.cli.up import app_schema
+
+    app = app_schema("deltaserve", "/", PlatformConfig().with_replicas({"decode-standard": 2}))
+    per = {"decode-standard": {"min_replicas": 1, "max_replicas": 3, "initial_replicas": 2,
+                               "target_ongoing_requests": 32, "downscale_delay_s": 20.0},
+           "prefill-highspeed": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 4}}
+    out = with_serve_autoscaling(app, per)
+    deployments = {d.name: d for d in ServeDeploySchema.parse_obj({"applications": [out]}).applications[0].deployments}
+    assert {n: deployments[n].autoscaling_config for n in per} == per
+    assert all("num_replicas" not in d.dict(exclude_unset=True) for n, d in deployments.items() if n in per)
+    assert deployments["prefill-standard"].num_replicas == 1 and deployments["decode-highspeed"].num_replicas == 1
+    assert [d["num_replicas"] for d in app["deployments"] if d["name"] == "decode-standard"] == [2]  # a copy
+    with pytest.raises(ValueError, match="runs the deltaserve autoscaler"):
+        with_serve_autoscaling(app_schema("deltaserve", "/", with_autoscale(PlatformConfig(), True, 6)), per)
+
+
 @pytest.mark.parametrize(("autoscale", "budget", "message"), [
     (False, 6, "--budget sizes the autoscaler: add --autoscale"),
     (True, 3, "autoscale budget 3 replicas is below what the floors use, 4"),

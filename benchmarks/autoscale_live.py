@@ -414,7 +414,7 @@ def run_live(mode: str, requests: list[TraceRequest], split: dict[str, int], bud
         with ReplicaPoller(sorted(split), poll_s) as poller:
             outcomes = replay(platform.http_url, platform.key, requests)
             time.sleep(poll_s)
-        log_tail = platform.output[-40:]
+        log_tail = [line.replace(platform.key, "<API key>") for line in platform.output[-40:]]  # a page keeps no key
     shown = [a if not a.endswith("platform.json") else "autoscale_live_config.json" for a in args]
     return {"mode": mode, "args": shown, "ready_s": ready_s, "warm_errors": [o.error for o in warm if o.error],
             "config": live_config(shape, headroom) if mode == "autoscale" else None,

@@ -45,3 +45,16 @@ def test_every_results_page_is_reachable_from_the_readme_or_docs():
     assert len(pages) > 10, f"only {len(pages)} results pages under {RESULTS}"
     orphans = [p.name for p in pages if f"results/{p.name}" not in text]
     assert not orphans, f"results pages neither linked nor named in README.md or docs/: {orphans}"
+
+
+KEY_LIKE = re.compile(r"ds-[A-Za-z0-9_-]{40,}")  # a generated API key: ds- + 32 bytes in URL-safe base64
+
+
+def test_no_committed_page_or_doc_holds_an_api_key():
+    from deployments.tenancy.keys import generate_api_key
+
+    assert KEY_LIKE.fullmatch(generate_api_key())  # the pattern finds what the platform generates
+    files = markdown_files() + sorted(RESULTS.glob("*.json"))
+    found = [f"{path.relative_to(ROOT)}: {m.group(0)[:6]}..." for path in files for m in KEY_LIKE.finditer(path.read_text())]
+    assert not found, "API keys in committed pages (a benchmark must not record a platform's ready line as is):\n" + \
+        "\n".join(found)

@@ -1,6 +1,7 @@
 """The project's markdown holds together: every relative link resolves to a file in the tree, and every
 benchmark results page is reachable from the README or docs/ (a link or its path in the text), so a
-figure the README quotes can be traced to the page that measured it."""
+figure the README quotes can be traced to the page that measured it. And no committed page or doc holds
+an API key (a benchmark that records a platform's output must leave its ready line's key out)."""
 
 from __future__ import annotations
 

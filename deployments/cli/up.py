@@ -78,6 +78,10 @@ def serve_schema(apps: list[tuple[str, str, PlatformConfig]], settings: OpsSetti
                                                          for name, prefix, config in apps]})
 
 
+DEPLOY_POLL_S = 0.25  # how often deploy asks Serve for its status (a controller call of a few ms): the ready line
+                      # comes this soon after the last deployment is healthy
+
+
 def deploy(apps: list[tuple[str, str, PlatformConfig]], *, timeout_s: float = 900,
            progress: Callable[[str], None] | None = None) -> None:
     """Apply the declarative config and wait until every application is RUNNING; ``progress`` gets a
@@ -100,7 +104,7 @@ def deploy(apps: list[tuple[str, str, PlatformConfig]], *, timeout_s: float = 90
             raise RuntimeError(f"deploy failed: {[status[n].message for n in names if n in status]}")
         if len(states) == len(names) and all(s == ApplicationStatus.RUNNING for s in states.values()):
             return
-        time.sleep(1)
+        time.sleep(DEPLOY_POLL_S)
     raise TimeoutError(f"applications {sorted(names)} not running after {timeout_s:.0f}s")
 
 

@@ -369,17 +369,31 @@ def measure_live_startup(platform, deployment: str, n: int, *, idle_s: float = 5
                       "(benchmarks/autoscale_live.py measure_live_startup)"}
 
 
-def _serve_autoscaled(names: list[str], timeout_s: float = 60.0) -> None:
-    """Wait until Serve's controller holds an ``autoscaling_config`` for each of ``names`` (applied)."""
-    from deployments.autoscaling.live import deployment_details
+def _serve_autoscaled(names: list[str], timeout_s: float = 240.0) -> None:
+    """Wait until Serve's controller holds an ``autoscaling_config`` for each of ``names`` and the application is
+    RUNNING again with every replica of theirs RUNNING: Serve 2.60 restarts a deployment's replicas, one at a time,
+    when an ``autoscaling_config`` replaces its fixed count (about 18 s for one deployment of two replicas here), and
+    the replay must not begin while they restart."""
+    from ray import serve
+
+    from deployments.autoscaling.live import APP_NAME, deployment_details
+
+    def plain(x) -> str:
+        return str(getattr(x, "value", x))
 
     deadline = time.monotonic() + timeout_s
     while True:
         deps = deployment_details()
-        if all((deps.get(n, {}).get("deployment_config") or {}).get("autoscaling_config") for n in names):
+        taken = all((deps.get(n, {}).get("deployment_config") or {}).get("autoscaling_config") for n in names)
+        app = serve.status().applications.get(APP_NAME)
+        settled = (app is not None and plain(app.status) == "RUNNING" and all(
+            n in app.deployments and {plain(k) for k, v in app.deployments[n].replica_states.items() if v} == {"RUNNING"}
+            for n in names))
+        if taken and settled:
             return
         if time.monotonic() > deadline:
-            raise TimeoutError(f"Serve did not take the autoscaling configs of {names} within {timeout_s:.0f} s")
+            raise TimeoutError(f"Serve did not take the autoscaling configs of {names} and run their replicas again "
+                               f"within {timeout_s:.0f} s")
         time.sleep(0.5)
 
 

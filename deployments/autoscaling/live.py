@@ -79,8 +79,10 @@ def with_serve_autoscaling(config: dict, autoscaling: dict[str, dict]) -> dict:
     """``config`` with Serve's own per-deployment autoscaler on the named deployments: each gets
     ``autoscaling[name]`` (``AutoscalingConfig`` fields: ``min_replicas``, ``max_replicas``,
     ``target_ongoing_requests``, delays, ...) as its ``autoscaling_config`` in place of a fixed count, the way a
-    Ray Serve user turns on Serve's default policy in a config file. ValueError when the application runs the
-    deltaserve autoscaler (its application-level policy sizes these deployments already)."""
+    Ray Serve user turns on Serve's default policy in a config file. Unlike a changed count this is not a
+    lightweight update: Serve 2.60 restarts those deployments' replicas, one at a time, when it applies it.
+    ValueError when the application runs the deltaserve autoscaler (its application-level policy sizes these
+    deployments already)."""
     if config.get("autoscaling_policy"):
         raise ValueError(f"application {config.get('name')!r} runs the deltaserve autoscaler: Serve's per-deployment "
                          "autoscaler would size the same deployments")

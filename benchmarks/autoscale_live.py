@@ -172,11 +172,10 @@ def ray_default_autoscaling(split: dict[str, int], config: PlatformConfig, param
     return out
 
 
-def static_split(requests: list[TraceRequest], profile: Profile, config: PlatformConfig, budget: int) -> dict[str, int]:
-    """The simulator's ``static`` split of ``budget`` for this trace (mean load per deployment)."""
-    loads = offered_load(requests, profile, config, 0.0)
-    names = sorted(loads)
-    return proportional_split(names, loads, Budget(total=budget))
+def static_split(loads: dict[str, float], budget: int) -> dict[str, int]:
+    """The simulator's ``static`` split of ``budget`` by each deployment's mean load over the trace (``loads``:
+    :func:`offered_load` without cache)."""
+    return proportional_split(sorted(loads), loads, Budget(total=budget))
 
 
 # --- predicted ----------------------------------------------------------------------------------------------------
@@ -631,8 +630,8 @@ def main() -> int:
         work = Path(tmp)
         profile = load_profile(args.profile or measure_profile(work / "profile.json"))
         profile_data = json.loads(Path(profile.source).read_text())
-        split = static_split(requests, profile, config, args.budget)
         loads = offered_load(requests, profile, config, 0.0)
+        split = static_split(loads, args.budget)
         serve_autoscaling = ray_default_autoscaling(split, config, ray_default_params(), args.budget, loads)
         interval = REPLAY_INTERVAL_S
         lengths = {"standard": (shape.standard_prompt, shape.standard_output),

@@ -57,18 +57,24 @@ def apply_app_config(config: dict) -> None:
     client.deploy_apps(ServeDeploySchema.parse_obj({"applications": others + [config]}))
 
 
+def _override(config: dict, name: str) -> dict:
+    """The per-deployment override of ``name`` in ``config`` (an application schema dict), added when it has none."""
+    deployments = config.setdefault("deployments", [])
+    found = next((d for d in deployments if d["name"] == name), None)
+    if found is None:
+        found = {"name": name}
+        deployments.append(found)
+    return found
+
+
 def with_replicas(config: dict, counts: dict[str, int]) -> dict:
     """``config`` with new fixed replica counts for the named deployments (overrides they lack are added).
     ValueError for a deployment the autoscaler sizes (it has an ``autoscaling_config``) or a count < 1."""
     out = copy.deepcopy(config)
-    overrides = {d["name"]: d for d in out.setdefault("deployments", [])}
     for name, n in counts.items():
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"replica count for {name} must be an integer >= 1, got {n!r}")
-        d = overrides.get(name)
-        if d is None:
-            d = overrides[name] = {"name": name}
-            out["deployments"].append(d)
+        d = _override(out, name)
         if d.get("autoscaling_config"):
             raise ValueError(f"{name} is sized by the autoscaler: pin it (settings.pins) instead of setting a count")
         d["num_replicas"] = n
@@ -87,12 +93,8 @@ def with_serve_autoscaling(config: dict, autoscaling: dict[str, dict]) -> dict:
         raise ValueError(f"application {config.get('name')!r} runs the deltaserve autoscaler: Serve's per-deployment "
                          "autoscaler would size the same deployments")
     out = copy.deepcopy(config)
-    overrides = {d["name"]: d for d in out.setdefault("deployments", [])}
     for name, settings in autoscaling.items():
-        d = overrides.get(name)
-        if d is None:
-            d = overrides[name] = {"name": name}
-            out["deployments"].append(d)
+        d = _override(out, name)
         d.pop("num_replicas", None)
         d["autoscaling_config"] = dict(settings)
     return out

@@ -425,9 +425,8 @@ def build_status(config: dict, app: str, view: RuntimeView, metrics: MetricsView
                 "decided_s_ago": round(now - published["time"], 1) if "time" in published else None,
                 "note": view.autoscaler_note if not published else ""}
     note = metrics.url if metrics else metrics_note
-    # every pool the platform serves has a row: one that served nothing in the window shows `-`
-    pools = {pool: {} for pool in platform_config(app_cfg).pools} if metrics else {}
-    pools.update(metrics.pools if metrics else {})
+    # with metrics every pool the platform serves has a row: one that served nothing in the window shows `-`
+    pools = {pool: {} for pool in platform_config(app_cfg).pools} | dict(metrics.pools) if metrics else {}
     return StatusReport(app, view.app_status, auto, rows, pools, note)
 
 

@@ -17,18 +17,20 @@ import signal
 import socket
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import httpx
 import openai
+import pytest
 
 from deployments.cli.up import PORT_QUARANTINE_S
 from deployments.gateway.protocol import RequestLimits
 from deployments.proto.deltaserve.v1 import inference_pb2 as pb
 from deployments.proto.deltaserve.v1 import inference_pb2_grpc as pb_grpc
 from tests.deployments.test_security_defaults import _listeners, listening_sockets
-from tests.deployments.up_process import check_up_serves, deltaserve_up, descendants, process_running
+from tests.deployments.up_process import UpProcess, check_up_serves, deltaserve_up, descendants, process_running
 
 KEY = "ds-front-end-key-0123456789abcdef"
 SERVICE = "deltaserve.v1.Inference"
@@ -125,59 +127,62 @@ def check_serves(http_port: int, grpc_port: int) -> None:
             assert e.code() is grpc.StatusCode.UNAUTHENTICATED, (e.code(), e.details())
 
 
-def test_direct_ingress_serves_http_and_grpc_on_the_configured_ports(tmp_path):
-    with deltaserve_up(["--tenants", str(tmp_path / "tenants.yaml"), "--no-cache", "--direct-ingress"],
+@dataclass
+class DirectIngress:
+    up: UpProcess
+    killed: list[int] = field(default_factory=list)  # the ingress replica killed, at time.monotonic() killed_at
+    killed_at: float = 0.0
+    processes: list[int] = field(default_factory=list)  # every process under `deltaserve up` when its raylet died
+
+    def ingress(self) -> list[int]:
+        return [p for p in descendants(self.up.proc.pid)
+                if b"ServeReplica:deltaserve:ingress" in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+    def kill_ingress(self) -> None:
+        [pid] = self.ingress()
+        os.kill(pid, signal.SIGKILL)
+        self.killed, self.killed_at = [pid], time.monotonic()
+
+
+@pytest.fixture(scope="module")
+def direct(tmp_path_factory):
+    """`deltaserve up --direct-ingress`. The first test below kills its ingress replica; while Serve holds the dead
+    replica's ports (deployments.cli.up.PORT_QUARANTINE_S, a minute idle here) the HAProxy test runs on a platform of
+    its own, and the last test checks the replacement on the same ports."""
+    tenants = tmp_path_factory.mktemp("direct") / "tenants.yaml"
+    with deltaserve_up(["--tenants", str(tenants), "--no-cache", "--direct-ingress"],
                        env={"DELTASERVE_API_KEY": KEY}) as up:
-        check_up_serves(up.output, up.proc.pid, up.http_port, up.grpc_port, KEY, actor_calls=False,
-                        front_end="direct")
-        assert _listeners(up.http_port) == ["127.0.0.1"] and _listeners(up.grpc_port) == ["127.0.0.1"]
-        # both ports are the ingress replica's own sockets (Serve's proxy actor still starts, idle on two other
-        # ports: deployments.cli.up.start)
-        ingress = [p for p in descendants(up.proc.pid)
-                   if b"ServeReplica:deltaserve:ingress" in Path(f"/proc/{p}/cmdline").read_bytes()]
-        assert len(ingress) == 1
-        assert _listening_pid(up.http_port, descendants(up.proc.pid)) == ingress[0]
-        assert _listening_pid(up.grpc_port, descendants(up.proc.pid)) == ingress[0]
-        # (streams, hang-ups, errors and gRPC on these servers: check_serves through HAProxy, which forwards to them)
-        with grpc.insecure_channel(f"127.0.0.1:{up.grpc_port}") as channel:
-            resp = pb_grpc.InferenceStub(channel).Generate(
-                pb.GenerateRequest(model="k3-tiny", prompt="def f(x):", max_tokens=3, temperature=0),
-                metadata=(("authorization", f"Bearer {KEY}"),), timeout=60)
-            assert resp.usage.completion_tokens == 3
-        base = f"http://127.0.0.1:{up.http_port}/v1"
-        client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0, timeout=120)
+        direct = DirectIngress(up)
+        yield direct
+    if direct.processes:  # the raylet died: what `deltaserve up` said, and nothing of the platform left
+        assert any("raylet exited unexpectedly" in ln for ln in up.output), "".join(up.output[-20:])
+        deadline = time.monotonic() + 30
+        while (left := [p for p in direct.processes if process_running(p)]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not left, f"processes of the platform outlived it: {left}"
 
-        # an ingress replica that dies (the client's keep-alive connections to it open) is replaced on the same
-        # ports once Serve's quarantine of them ends (deployments.cli.up.PORT_QUARANTINE_S)
-        os.kill(ingress[0], signal.SIGKILL)
-        t_kill = time.monotonic()
-        deadline = t_kill + PORT_QUARANTINE_S + 60
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base}/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=5).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, f"no answer on the HTTP port {deadline - t_kill:.0f} s after the ingress replica died"
-            time.sleep(0.2)
-        successor = [p for p in descendants(up.proc.pid)
-                     if b"ServeReplica:deltaserve:ingress" in Path(f"/proc/{p}/cmdline").read_bytes()]
-        assert successor and successor != ingress
-        assert _listening_pid(up.http_port, descendants(up.proc.pid)) == successor[0]
-        assert client.completions.create(model="k3-tiny", prompt="again", max_tokens=3).usage.completion_tokens == 3
 
-        # Ray's raylet dies (killed, as the OOM killer would): `deltaserve up` says so and stops, exit status 1,
-        # rather than staying up in front of a platform that can no longer serve
-        processes = descendants(up.proc.pid)
-        raylet = next(p for p in processes if Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].endswith(b"/raylet"))
-        os.kill(raylet, signal.SIGKILL)
-        t_kill = time.monotonic()
-        assert up.proc.wait(timeout=60) == 1
-        up.expected_rc = 1
-        assert time.monotonic() - t_kill < 30
-    assert any("raylet exited unexpectedly" in ln for ln in up.output), "".join(up.output[-20:])
-    deadline = time.monotonic() + 30
-    while (left := [p for p in processes if process_running(p)]) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not left, f"processes of the platform outlived it: {left}"
+def test_direct_ingress_serves_http_and_grpc_on_the_configured_ports(direct):
+    up = direct.up
+    check_up_serves(up.output, up.proc.pid, up.http_port, up.grpc_port, KEY, actor_calls=False, front_end="direct")
+    assert _listeners(up.http_port) == ["127.0.0.1"] and _listeners(up.grpc_port) == ["127.0.0.1"]
+    # both ports are the ingress replica's own sockets (Serve's proxy actor still starts, idle on two other
+    # ports: deployments.cli.up.start)
+    ingress = direct.ingress()
+    assert len(ingress) == 1
+    assert _listening_pid(up.http_port, descendants(up.proc.pid)) == ingress[0]
+    assert _listening_pid(up.grpc_port, descendants(up.proc.pid)) == ingress[0]
+    # (streams, hang-ups, errors and gRPC on these servers: check_serves through HAProxy, which forwards to them)
+    with grpc.insecure_channel(f"127.0.0.1:{up.grpc_port}") as channel:
+        resp = pb_grpc.InferenceStub(channel).Generate(
+            pb.GenerateRequest(model="k3-tiny", prompt="def f(x):", max_tokens=3, temperature=0),
+            metadata=(("authorization", f"Bearer {KEY}"),), timeout=60)
+        assert resp.usage.completion_tokens == 3
+    # an ingress replica that dies, the client's keep-alive connections to it open (this keep-alive connection is
+    # closed by the kill): test_a_dead_direct_ingress_replica_is_replaced_on_its_ports checks its successor
+    with httpx.Client(base_url=f"http://127.0.0.1:{up.http_port}/v1", headers={"Authorization": f"Bearer {KEY}"}) as c:
+        assert c.get("/models", timeout=30).status_code == 200
+        direct.kill_ingress()
 
 
 def _answered_after_kill(pid: int, base: str) -> tuple[float, list]:
@@ -291,3 +296,34 @@ def test_haproxy_front_end_listens_on_loopback_only_and_answers_across_an_ingres
         time.sleep(0.2)
     assert not left, f"HAProxy {left} outlived the platform"
 
+
+def test_a_dead_direct_ingress_replica_is_replaced_on_its_ports_and_a_dead_raylet_stops_up(direct):
+    """The ingress replica killed above (or here, if that test did not run) is replaced on the same ports once
+    Serve's quarantine of them ends (deployments.cli.up.PORT_QUARANTINE_S); then Ray's raylet dies (killed, as the
+    OOM killer would): `deltaserve up` says so and stops, exit status 1, rather than staying up in front of a
+    platform that can no longer serve."""
+    up = direct.up
+    if not direct.killed:
+        direct.kill_ingress()
+    base = f"http://127.0.0.1:{up.http_port}/v1"
+    deadline = direct.killed_at + PORT_QUARANTINE_S + 60
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base}/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=5).status_code == 200:
+                break
+        assert time.monotonic() < deadline, (
+            f"no answer on the HTTP port {time.monotonic() - direct.killed_at:.0f} s after the ingress replica died")
+        time.sleep(0.2)
+    successor = direct.ingress()
+    assert len(successor) == 1 and successor != direct.killed
+    assert _listening_pid(up.http_port, descendants(up.proc.pid)) == successor[0]
+    client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0, timeout=120)
+    assert client.completions.create(model="k3-tiny", prompt="again", max_tokens=3).usage.completion_tokens == 3
+
+    direct.processes = processes = descendants(up.proc.pid)
+    raylet = next(p for p in processes if Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].endswith(b"/raylet"))
+    os.kill(raylet, signal.SIGKILL)
+    t_kill = time.monotonic()
+    assert up.proc.wait(timeout=60) == 1
+    up.expected_rc = 1
+    assert time.monotonic() - t_kill < 30  # what it said and what it left: the fixture, once its output is read

@@ -68,10 +68,11 @@ def _has_running_replica(deployment: str) -> bool:
     (True when it cannot tell: the caller then keeps waiting within its deadline)."""
     try:
         from ray import serve
+        from ray.serve._private.api import _get_global_client
 
         app = serve.get_replica_context().app_name
-        states = serve.status().applications[app].deployments[deployment].replica_states
-        return states.get("RUNNING", 0) > 0
+        replicas = _get_global_client().get_serve_details()["applications"][app]["deployments"][deployment]["replicas"]
+        return any(str(getattr(r["state"], "value", r["state"])) == "RUNNING" for r in replicas)
     except Exception:  # not in a replica, or the controller is unreachable
         return True
 

@@ -159,12 +159,13 @@ def test_pool_timeouts_have_tier_defaults():
 
 
 def test_progress_line_counts_healthy_deployments_and_names_the_rest():
-    from types import SimpleNamespace as NS
+    from ray.serve._private.common import DeploymentStatus
 
     from deployments.cli.up import progress_line
 
-    def app(**states):
-        return NS(deployments={name.replace("_", "-"): NS(status=s) for name, s in states.items()})
+    def app(**states):  # as Serve's details give it: status enums
+        return {"status": "DEPLOYING",
+                "deployments": {name.replace("_", "-"): {"status": DeploymentStatus(s)} for name, s in states.items()}}
 
     assert progress_line({}, ["deltaserve"]) == "deltaserve: building application deltaserve"
     assert progress_line({}, ["deltaserve", "pool-mode"]) == "deltaserve: building applications deltaserve, pool-mode"

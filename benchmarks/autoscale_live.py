@@ -19,7 +19,7 @@ Per run and pool: TTFT and TPOT p50 / p95 measured at the client (TTFT: send to 
 first to last chunk over the tokens after the first chunk, chunks counted with ``continuous_usage_stats``), SLO
 attainment (both targets met; a failed request misses), failed requests (an HTTP error or an exception) and
 aborted streams (a stream that ended without all its tokens), and the serving replicas of every engine deployment
-over time (``serve.status()`` every ``--poll-s`` from a Ray driver). The same trace goes through the simulator
+over time (Serve's details every ``--poll-s`` from a Ray driver). The same trace goes through the simulator
 (``deployments/autoscaling/simulator.py``) with the same split / the same policy and a profile measured on this
 machine just before (``deltaserve autoscale profile``; ``--profile FILE`` reuses one), completed on the idle
 static platform before its replay with the ingress costs (``measure_ingress``) and one live replica start-up
@@ -248,7 +248,7 @@ def replay(url: str, key: str, requests: list[TraceRequest]) -> list[Outcome]:
 
 
 class ReplicaPoller:
-    """Serving replicas per engine deployment every ``period_s`` (``serve.status()`` from a Ray driver), as
+    """Serving replicas per engine deployment every ``period_s`` (Serve's details from a Ray driver), as
     (seconds since ``t0``, {deployment: RUNNING replicas}), and every new decision the autoscaler published
     (its targets and reasons, ``deployments.autoscaling.live.read_status``): when a target changed vs when the
     replica served tells the policy's delay from the start-up's. Run it as a context manager around the replay."""
@@ -262,15 +262,15 @@ class ReplicaPoller:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        from ray import serve
+        from deployments.autoscaling.live import replica_states
 
         while not self._stop.is_set():
             try:
-                deps = serve.status().applications["deltaserve"].deployments
-                counts = {n: int(deps[n].replica_states.get("RUNNING", 0)) for n in self.deployments if n in deps}
+                deps = replica_states()
+                counts = {n: deps[n].get("RUNNING", 0) for n in self.deployments if n in deps}
                 self.samples.append((time.perf_counter() - self.t0, counts))
             except Exception as e:  # noqa: BLE001 - a missed sample is a gap in the timeline, not a failure
-                print(f"autoscale_live: serve.status() failed: {e}", file=sys.stderr)
+                print(f"autoscale_live: Serve's replica states failed: {e}", file=sys.stderr)
             try:
                 from deployments.autoscaling.live import read_status
 
@@ -310,10 +310,9 @@ def _cpu_s(pids: list[int]) -> dict[int, float]:
 
 
 def _replica_states(deployment: str) -> dict[str, int]:
-    from ray import serve
+    from deployments.autoscaling.live import replica_states
 
-    deps = serve.status().applications["deltaserve"].deployments
-    return dict(deps[deployment].replica_states) if deployment in deps else {}
+    return replica_states().get(deployment, {})
 
 
 def _scale(deployment: str, n: int, timeout_s: float = 120.0, poll_s: float = 0.05) -> tuple[float, float | None]:
@@ -339,7 +338,8 @@ def _scale(deployment: str, n: int, timeout_s: float = 120.0, poll_s: float = 0.
 def measure_live_startup(platform, deployment: str, n: int, *, idle_s: float = 5.0) -> dict:
     """One replica start on the idle platform: ``deployment``'s count set to n+1 from this process's Ray driver (a
     Serve config edit, as `deltaserve ops scale` makes; Serve starts the replica), its wall seconds from STARTING to
-    RUNNING (``serve.status()`` polled every 50 ms), and the CPU seconds every process of the platform spent
+    RUNNING (Serve's details polled every 50 ms: about 1 ms of CPU each, where ``serve.status()`` takes ~45 ms and
+    would keep most of a core busy beside the start-up it times), and the CPU seconds every process of the platform spent
     meanwhile beyond its idle rate (measured over ``idle_s`` just before): the new worker's imports and model load,
     Serve's controller, Ray's raylet. Scaled back to ``n`` afterwards. What the simulator's machine-sharing mode
     charges each start-up (``Profile.replica_startup_s`` / ``replica_startup_cpu_s``). Run from a driver, not
@@ -361,7 +361,7 @@ def measure_live_startup(platform, deployment: str, n: int, *, idle_s: float = 5
     return {"seconds": seconds, "apply_to_running_s": wall, "cpu_s": cpu * seconds / wall, "cpu_total_s": cpu,
             "idle_cpu_rate": idle_rate, "deployment": deployment,
             "source": f"live: {deployment} set to {n + 1} replicas from a Ray driver on the idle static platform; "
-                      "seconds: from the replica's first STARTING state in serve.status() to RUNNING (what a start "
+                      "seconds: from the replica's first STARTING state in Serve's details to RUNNING (what a start "
                       "the autoscaler orders takes; apply_to_running_s adds the config apply, which an autoscaler "
                       "decision does not go through); cpu_total_s: CPU of every process under deltaserve up beyond "
                       "its idle rate over the whole change, cpu_s: the same at its mean rate over seconds "
@@ -373,21 +373,16 @@ def _serve_autoscaled(names: list[str], timeout_s: float = 240.0) -> None:
     RUNNING again with every replica of theirs RUNNING: Serve 2.60 restarts a deployment's replicas, one at a time,
     when an ``autoscaling_config`` replaces its fixed count (about 18 s for one deployment of two replicas here), and
     the replay must not begin while they restart."""
-    from ray import serve
-
-    from deployments.autoscaling.live import APP_NAME, deployment_details
-
-    def plain(x) -> str:
-        return str(getattr(x, "value", x))
+    from deployments.autoscaling.live import app_details, state
 
     deadline = time.monotonic() + timeout_s
     while True:
-        deps = deployment_details()
+        app = app_details()
+        deps = app["deployments"]
         taken = all((deps.get(n, {}).get("deployment_config") or {}).get("autoscaling_config") for n in names)
-        app = serve.status().applications.get(APP_NAME)
-        settled = (app is not None and plain(app.status) == "RUNNING" and all(
-            n in app.deployments and {plain(k) for k, v in app.deployments[n].replica_states.items() if v} == {"RUNNING"}
-            for n in names))
+        settled = state(app["status"]) == "RUNNING" and all(
+            n in deps and deps[n].get("replicas") and {state(r["state"]) for r in deps[n]["replicas"]} == {"RUNNING"}
+            for n in names)
         if taken and settled:
             return
         if time.monotonic() > deadline:

@@ -244,10 +244,9 @@ def _rss_kib(pid: int) -> dict[str, int] | None:
 
 
 def _running_decode_replicas() -> int:
-    from ray import serve
+    from deployments.autoscaling.live import replica_states
 
-    states = serve.status().applications["deltaserve"].deployments["decode-standard"].replica_states
-    return states.get("RUNNING", 0)
+    return replica_states().get("decode-standard", {}).get("RUNNING", 0)
 
 
 def _killer(every_s: float, t0: float, stop: threading.Event, counts: SoakCounts, rng: random.Random) -> None:

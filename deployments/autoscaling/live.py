@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections import Counter
 
 from deployments.autoscaling.settings import (
     STATUS_KV_KEY,
@@ -41,10 +42,29 @@ def running_app_config(app: str = APP_NAME) -> dict:
     return copy.deepcopy(apps[app]["deployed_app_config"])
 
 
+def app_details(app: str = APP_NAME) -> dict:
+    """Serve's details of ``app`` (its ``status``, ``deployments``, ...). These dicts are what ``serve.status()`` is
+    built from, at about 1 ms of this process's CPU a call instead of ~45 ms (it validates them into pydantic
+    models first): what a loop polling a replica start on the same cores should read."""
+    return _client().get_serve_details()["applications"][app]
+
+
 def deployment_details(app: str = APP_NAME) -> dict[str, dict]:
     """Serve's details of ``app``'s deployments by name: status, replicas, and the ``deployment_config`` it
     applies (where an ``autoscaling_config`` shows that Serve took one)."""
-    return _client().get_serve_details()["applications"][app]["deployments"]
+    return app_details(app)["deployments"]
+
+
+def state(value) -> str:
+    """A status enum of Serve's details (str-valued) as its plain value."""
+    return str(getattr(value, "value", value))
+
+
+def replica_states(app: str = APP_NAME) -> dict[str, dict[str, int]]:
+    """``app``'s deployments by name, each with its replicas counted by state (``{"RUNNING": 2, "STARTING": 1}``,
+    as ``serve.status()``'s ``replica_states``)."""
+    return {name: dict(Counter(state(r["state"]) for r in d.get("replicas", [])))
+            for name, d in deployment_details(app).items()}
 
 
 def apply_app_config(config: dict) -> None:

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cache_service.redis_server import find_free_ports, reserve_ports
+from deployments.autoscaling.live import state as _state
 from deployments.autoscaling.settings import OpsSettings
 from deployments.config import BUDGET_UNITS, MetricsConfig, PlatformConfig, describe_error, redis_url
 from deployments.gateway.grpc_proxy import GRPC_HOST_ENV, PROXY_CALLBACK
@@ -80,11 +81,6 @@ def serve_schema(apps: list[tuple[str, str, PlatformConfig]], settings: OpsSetti
 
 DEPLOY_POLL_S = 0.25  # how often deploy asks Serve's controller for its applications: the ready line comes this
                       # soon after the last deployment is healthy
-
-
-def _state(value) -> str:
-    """A status enum of Serve's details (str-valued) as its plain value."""
-    return str(getattr(value, "value", value))
 
 
 def deploy(apps: list[tuple[str, str, PlatformConfig]], *, timeout_s: float = 900,

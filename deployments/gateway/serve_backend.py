@@ -70,9 +70,11 @@ def _has_running_replica(deployment: str) -> bool:
         from ray import serve
         from ray.serve._private.api import _get_global_client
 
+        from deployments.autoscaling.live import state
+
         app = serve.get_replica_context().app_name
         replicas = _get_global_client().get_serve_details()["applications"][app]["deployments"][deployment]["replicas"]
-        return any(str(getattr(r["state"], "value", r["state"])) == "RUNNING" for r in replicas)
+        return any(state(r["state"]) == "RUNNING" for r in replicas)
     except Exception:  # not in a replica, or the controller is unreachable
         return True
 

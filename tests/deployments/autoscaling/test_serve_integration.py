@@ -40,11 +40,8 @@ def platform(tmp_path_factory):
 
 
 def running(app: str = "deltaserve") -> dict[str, int]:
-    from ray import serve
-
-    live._client()  # a fresh controller client (see live._client)
-    deployments = serve.status().applications[app].deployments
-    return {name: deployments[name].replica_states.get("RUNNING", 0) for name in ENGINES}
+    states = live.replica_states(app)
+    return {name: states.get(name, {}).get("RUNNING", 0) for name in ENGINES}
 
 
 def wait_for(check, timeout_s: float, what: str):

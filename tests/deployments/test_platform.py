@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import statistics
+import threading
 import time
 
 import grpc
@@ -42,7 +43,10 @@ def platform(tmp_path_factory):
                             http_port=find_free_port(), grpc_port=find_free_port(), trace_memory=True, num_slots=16)
     # highspeed streams a chunk per token here (default: 20 ms chunks), so the stream-interval tests see both
     hs = config.pools["highspeed"].model_copy(update={"stream_interval_ms": 0})
-    config = config.model_copy(update={"pools": {**config.pools, "highspeed": hs}})
+    # standard's burst split (deployments/gateway/local_prefill.py) takes requests up to decode_gather_gap_ms apart:
+    # 30 ms instead of 10, so that the burst tests hold while other work slows the ingress's admission of each
+    std = config.pools["standard"].model_copy(update={"decode_gather_gap_ms": 30.0})
+    config = config.model_copy(update={"pools": {**config.pools, "standard": std, "highspeed": hs}})
     # pool mode: the standard pool only (its tests use no other; two engine replicas fewer to start), looking for
     # new expert-pool replicas every second (default 30 s); every prompt through prefill, so that both the prefill
     # and the decode replica call the expert pool for each request
@@ -348,13 +352,19 @@ def test_a_standard_burst_is_prefilled_by_decode_and_prefill_side_by_side(platfo
     assert (max(n) <= pool.local_prefill_tokens) == (chars == 100) and max(n) <= pool.max_num_batched_tokens
     before = {k: _prompt_tokens_computed(k, "standard") for k in ("prefill", "decode")}
 
-    def one(prompt):
-        stream = _client(platform).completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
-                                                      stream=True, extra_body={"ignore_eos": True})
+    # the clients are built first and the requests sent together: the burst must reach the ingress within the
+    # decode gather gap of one another (10 ms), which building a client per request (an SSL context each) spreads
+    clients = [_client(platform) for _ in prompts]
+    go = threading.Barrier(streams)
+
+    def one(client, prompt):
+        go.wait(timeout=60)
+        stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
         return "".join(c.choices[0].text for c in stream if c.choices)
 
     with cf.ThreadPoolExecutor(streams) as ex:
-        got = list(ex.map(one, prompts))
+        got = list(ex.map(one, clients, prompts))
     grew = {k: _prompt_tokens_computed(k, "standard") - before[k] for k in before}
     assert sum(grew.values()) == sum(n), grew  # every prompt computed once, on one side
     assert min(n) <= grew["decode"] <= grew["prefill"] + max(n) and grew["prefill"] >= min(n), grew

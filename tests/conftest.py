@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,10 +47,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     metrics export, waited on the spdlog registry while libc's exit ran torch's oneDNN cache destructor, and the
     process hung in ``free`` after its summary (1406 passed, then no exit). Every platform and server the tests
     start is stopped by its fixture before this point."""
-    if _session is None or config.pluginmanager.has_plugin("xdist") and hasattr(config, "workerinput"):
+    if _session is None:
         return
-    import sys
-
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(int(_session.exitstatus))

@@ -22,6 +22,7 @@ import time
 from collections import Counter
 
 from deployments.autoscaling import ops
+from deployments.autoscaling.live import state
 from deployments.autoscaling.ops import (
     DeploymentView,
     OpsError,
@@ -108,22 +109,17 @@ class LocalBackend:
             raise OpsError(f"no application {app!r} is running")
         deployments = {}
         for name, d in details.get("deployments", {}).items():
-            replicas = tuple(ReplicaView(r["replica_id"], _name(r["state"]), r.get("node_id") or "")
+            replicas = tuple(ReplicaView(r["replica_id"], state(r["state"]), r.get("node_id") or "")
                              for r in d.get("replicas", []))
-            deployments[name] = DeploymentView(name, _name(d["status"]), d.get("target_num_replicas"), replicas)
+            deployments[name] = DeploymentView(name, state(d["status"]), d.get("target_num_replicas"), replicas)
         raw = internal_kv._internal_kv_get(STATUS_KV_KEY, namespace=STATUS_KV_NAMESPACE)
-        return RuntimeView(_name(details["status"]), deployments, json.loads(raw) if raw else None,
+        return RuntimeView(state(details["status"]), deployments, json.loads(raw) if raw else None,
                            "" if raw else "the policy has published no decision yet")
 
     def prometheus_url(self, app_cfg: dict) -> str | None:
         """The platform's embedded Prometheus (`deltaserve up` starts it on 127.0.0.1), None if it has none."""
         metrics = ops.platform_config(app_cfg).metrics
         return f"http://127.0.0.1:{metrics.prometheus_port}" if metrics.prometheus else None
-
-
-def _name(state) -> str:
-    """Serve's status enums (str-valued) as their plain value."""
-    return str(getattr(state, "value", state))
 
 
 def _backend(args: argparse.Namespace):
@@ -161,7 +157,7 @@ def wait_progress(view: ops.RuntimeView) -> str:
         states = Counter(r.state for r in d.replicas)
         if set(states) <= {ops.RUNNING} and d.target in (None, states[ops.RUNNING]):
             continue
-        counts = ", ".join(f"{n} {state.lower()}" for state, n in sorted(states.items())) or "no replicas"
+        counts = ", ".join(f"{n} {s.lower()}" for s, n in sorted(states.items())) or "no replicas"
         parts.append(f"{name} {counts}" + (f" (target {d.target})" if d.target is not None else ""))
     return "waiting: " + "; ".join(parts) if parts else ""
 

@@ -25,6 +25,9 @@ from tests.deployments.platform_fixture import MODELS, ray_driver, start_platfor
 BUDGET = 0.7  # CPUs
 ENGINES = ("prefill-standard", "decode-standard", "prefill-highspeed", "decode-highspeed")
 POOL = {"max_num_seqs": 4, "max_num_batched_tokens": 256, "stream_interval_ms": 0}
+# longer than any stream needs to last: the streams stop when the test has seen what it waits for (12 streams of
+# 400 tokens were over within seconds on an idle machine, before a tick had published decode-standard's want of 3)
+STREAM_TOKENS = 6000
 
 
 @pytest.fixture(scope="module")
@@ -62,14 +65,22 @@ def targets(status: dict) -> dict[str, int]:
     return {n: d["target"] for n, d in status["deployments"].items()}
 
 
-def streams(platform, n: int, max_tokens: int, errors: list) -> list[threading.Thread]:
+def streams(platform, n: int, errors: list, stop: threading.Event) -> list[threading.Thread]:
+    """``n`` greedy streams that run until ``stop`` is set (then the client closes them, as a client that hangs
+    up does): the load lasts as long as the test needs it, however fast this machine decodes."""
     client = openai.OpenAI(base_url=f"{platform.http_url}/v1", api_key=platform.key, timeout=300, max_retries=0)
 
     def one(i: int) -> None:
         try:
-            out = client.completions.create(model=MODELS[0], prompt=f"stream {i}:", max_tokens=max_tokens,
+            out = client.completions.create(model=MODELS[0], prompt=f"stream {i}:", max_tokens=STREAM_TOKENS,
                                             temperature=0, stream=True, extra_body={"ignore_eos": True})
-            assert sum(1 for _ in out) > 0
+            chunks = 0
+            for _ in out:
+                chunks += 1
+                if stop.is_set():
+                    break
+            out.close()
+            assert chunks > 0
         except Exception as e:  # noqa: BLE001 - every failure is reported by the test
             errors.append(repr(e))
 
@@ -86,18 +97,22 @@ def test_serve_calls_the_policy_and_applies_its_targets(platform):
     assert all(d["reason"].startswith(f"{n}: 1 -> 1: ") for n, d in idle["deployments"].items()), idle
 
     errors: list[str] = []
-    threads = streams(platform, 12, 400, errors)
-    # once the streams are all in, decode-standard wants 3 or more; its ceiling (the budget's 0.7 CPU less the other
-    # three deployments' floors, over its 0.2 a replica) holds it at 2
-    loaded = status_where(lambda s: s["deployments"]["decode-standard"]["wanted"] >= 3, 90,
-                          "decode-standard wanting 3 or more under 12 streams")
-    decode = loaded["deployments"]["decode-standard"]
-    assert decode["target"] == 2 and decode["reason"].endswith("held at ceiling 2"), decode
-    assert "waiting" in decode["reason"] and "batch cap 4" in decode["reason"], decode
-    assert targets(loaded) == {"prefill-standard": 1, "decode-standard": 2, "prefill-highspeed": 1,
-                               "decode-highspeed": 1}, loaded
-    assert loaded["spent"] == pytest.approx(BUDGET)  # 0.1 x 3 + 0.2 x 2 CPUs
-    wait_for(lambda: running() == targets(loaded), 120, "Serve running the policy's targets")
+    stop = threading.Event()
+    threads = streams(platform, 12, errors, stop)
+    try:
+        # once the streams are all in, decode-standard wants 3 or more; its ceiling (the budget's 0.7 CPU less the
+        # other three deployments' floors, over its 0.2 a replica) holds it at 2
+        loaded = status_where(lambda s: s["deployments"]["decode-standard"]["wanted"] >= 3, 90,
+                              "decode-standard wanting 3 or more under 12 streams")
+        decode = loaded["deployments"]["decode-standard"]
+        assert decode["target"] == 2 and decode["reason"].endswith("held at ceiling 2"), decode
+        assert "waiting" in decode["reason"] and "batch cap 4" in decode["reason"], decode
+        assert targets(loaded) == {"prefill-standard": 1, "decode-standard": 2, "prefill-highspeed": 1,
+                                   "decode-highspeed": 1}, loaded
+        assert loaded["spent"] == pytest.approx(BUDGET)  # 0.1 x 3 + 0.2 x 2 CPUs
+        wait_for(lambda: running() == targets(loaded), 120, "Serve running the policy's targets")
+    finally:
+        stop.set()
     for t in threads:
         t.join(timeout=300)
     assert not errors, errors

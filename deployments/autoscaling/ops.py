@@ -456,6 +456,9 @@ def format_status(report: StatusReport) -> str:
                      f"{_num(p.get('requests_per_s'), '{:.2f}')}")
     replicas = [(d.name, r) for d in report.deployments for r in d.replicas]
     if replicas:
-        lines += ["", "REPLICAS"] + [f"  {name}#{r['id']}  {r['state']}" + (f"  node {r['node'][:12]}" if r["node"] else "")
-                                     for name, r in replicas]
+        ids = [f"{name}#{r['id']}" for name, r in replicas]
+        w_id, w_state = max(map(len, ids)), max(len(r["state"]) for _, r in replicas)
+        node = [f"  node {r['node'][:12]}" if r["node"] else "" for _, r in replicas]
+        lines += ["", "REPLICAS"] + [f"  {i:<{w_id}}  {r['state']:<{w_state}}{n}".rstrip()
+                                     for i, (_, r), n in zip(ids, replicas, node)]
     return "\n".join(lines)

@@ -21,6 +21,7 @@ BYTE_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 
 class Tokenizer(Protocol):
     eos_token_id: int | None
+    vocab_size: int  # token ids are 0 .. vocab_size - 1
 
     def encode(self, text: str) -> list[int]:
         """``text`` as plain data: literal special-token strings encode as ordinary text."""

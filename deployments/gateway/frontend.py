@@ -219,8 +219,13 @@ class Frontend:
     def _check_shape(self, inp: CompletionInput) -> None:
         """Everything that needs no tokenizing: counts, lengths, ranges."""
         lim = self.limits
-        if (inp.prompt is None) == (inp.messages is None):
+        if sum(x is not None for x in (inp.prompt, inp.prompt_ids, inp.messages)) != 1:
             raise BadRequest("exactly one of prompt or messages is required", param="prompt")
+        if inp.prompt_ids is not None:
+            vocab = self.tokenizer.vocab_size
+            bad = next((i for i in inp.prompt_ids if not 0 <= i < vocab), None)
+            if bad is not None:
+                raise BadRequest(f"prompt token ids must be in [0, {vocab - 1}], got {bad}", param="prompt")
         if inp.max_tokens is not None and inp.max_tokens < 1:
             raise BadRequest(f"max_tokens must be >= 1, got {inp.max_tokens}", param="max_tokens")
         if not 1 <= inp.n <= lim.max_n:
@@ -261,7 +266,7 @@ class Frontend:
             bad = next((m.role for m in inp.messages if m.role not in ROLES), None)
             if bad is not None:
                 raise BadRequest(f"unsupported message role {bad[:40]!r} (one of {list(ROLES)})", param="messages")
-        texts = [inp.prompt] if inp.prompt is not None else [m.content for m in inp.messages]
+        texts = [inp.prompt] if inp.prompt is not None else [m.content for m in inp.messages or ()]
         size = sum(_utf8_len(t, "messages" if inp.messages is not None else "prompt") for t in texts)
         if size > lim.max_prompt_bytes:
             raise BadRequest(f"the prompt is {size} bytes of UTF-8; the limit is {lim.max_prompt_bytes}",
@@ -270,6 +275,8 @@ class Frontend:
     def _encode(self, inp: CompletionInput) -> tuple[list[int], tuple[int, ...]]:
         """(prompt ids, the cache checkpoint at the end of the leading system messages). Only the
         chat template inserts control tokens; user text is plain data unless a completion opts in."""
+        if inp.prompt_ids is not None:
+            return list(inp.prompt_ids), ()
         if inp.messages is None:
             encode = self.tokenizer.encode_with_specials if inp.allow_special_tokens else self.tokenizer.encode
             return encode(inp.prompt), ()

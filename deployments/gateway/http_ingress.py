@@ -31,7 +31,7 @@ from typing import Any, AsyncIterator, Callable, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.gateway.protocol import (ChatMessage, CompletionInput, Finished, RequestLimits, TextDelta,
@@ -115,8 +115,9 @@ class _OpenAIRequest(BaseModel):
 
 
 class CompletionRequest(_OpenAIRequest):
-    prompt: str | list[str] = Field(description="the prompt (a list must hold exactly one string); literal "
-                                    "control-token strings in it are plain text unless allow_special_tokens")
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]] = Field(
+        description="the prompt: a string, or token ids (a list must hold exactly one prompt: [string] or [[ids]]); "
+                    "literal control-token strings in a string are plain text unless allow_special_tokens")
     logprobs: int | None = Field(None, description=f"0 to {_LIMITS.max_logprobs}: each token's logprob and this "
                                  "many most likely alternatives")
     allow_special_tokens: bool = Field(False, description="deltaserve extension: literal control-token strings in the "
@@ -128,12 +129,14 @@ class CompletionRequest(_OpenAIRequest):
     def to_input(self, session_id: str | None, task_id: str | None = None) -> CompletionInput:
         common = self.common()
         prompt = self.prompt
-        if isinstance(prompt, list):
+        if isinstance(prompt, list) and not (prompt and isinstance(prompt[0], int)):
             if len(prompt) != 1:
-                raise BadRequest(f"prompt lists must hold exactly one string, got {len(prompt)}", param="prompt")
+                raise BadRequest(f"prompt lists must hold exactly one prompt (a string or a list of token ids), got "
+                                 f"{len(prompt)}", param="prompt")
             prompt = prompt[0]
-        return CompletionInput(prompt=prompt, session_id=session_id, task_id=task_id, logprobs=self.logprobs,
-                               allow_special_tokens=self.allow_special_tokens, **common)
+        text, ids = (prompt, None) if isinstance(prompt, str) else (None, tuple(prompt))
+        return CompletionInput(prompt=text, prompt_ids=ids, session_id=session_id, task_id=task_id,
+                               logprobs=self.logprobs, allow_special_tokens=self.allow_special_tokens, **common)
 
 
 class _ContentPart(BaseModel):

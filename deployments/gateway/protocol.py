@@ -49,6 +49,7 @@ class CompletionInput:
 
     model: str  # "<model>" (standard pool) or "<model>-highspeed"
     prompt: str | None = None  # completions
+    prompt_ids: tuple[int, ...] | None = None  # completions whose prompt the client sent as token ids (HTTP)
     messages: tuple[ChatMessage, ...] | None = None  # chat completions
     max_tokens: int | None = None  # tokens per choice; None = the rest of the tenant's context after the prompt
     temperature: float = 1.0

@@ -610,6 +610,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.render:
         record = json.loads(Path(args.render).read_text())
+        Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "autoscale_live.md").write_text(report(record, PlatformConfig()) + "\n")
         return 0
     if not args.surge_rate > 0:
@@ -730,6 +731,13 @@ def _startup_sentence(startup: dict) -> str:
             "busy units.")
 
 
+def _quiet_clause(ingress: dict) -> str:
+    """How long the calibration's requests waited for a quiet machine (absent from records made before it did)."""
+    q = ingress.get("quiet_wait_s")
+    return (f", each request once under 25% of the cores were busy: waited {q['median']:g} s median, "
+            f"{q['max']:g} s at most") if q else ""
+
+
 def report(rec: dict, config: PlatformConfig) -> str:
     shape = SurgeShape(**rec["shape"])
     lines = ["# The simulator vs the live platform: a highspeed surge", "",
@@ -753,7 +761,8 @@ def report(rec: dict, config: PlatformConfig) -> str:
                    f"(alone: TTFT {v['measured_ttft_s'] * 1e3:.0f} ms measured vs {v['model_ttft_s'] * 1e3:.0f} ms "
                    f"modelled, TPOT {v['measured_tpot_s'] * 1e3:.1f} vs {v['model_tpot_s'] * 1e3:.1f} ms)"
                    for p, v in ingress["pools"].items()) + f"; measured before the {ingress.get('measured_in')} run's "
-                   f"replay, loadavg {ingress.get('loadavg_1m')})" if ingress else ": none measured") +
+                   f"replay, loadavg {ingress.get('loadavg_1m')}" + _quiet_clause(ingress) + ")"
+                   if ingress else ": none measured") +
                ". " + _startup_sentence(rec["profile"]["replica_startup"]) +
                " The abstract model (each replica its own hardware, no ingress) is the last column."), ""]
     for mode, run in rec["runs"].items():

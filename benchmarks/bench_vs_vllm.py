@@ -79,6 +79,7 @@ from benchmarks.bench_serving import engine_run  # noqa: E402
 from benchmarks.peer_models import REFERENCE, build_peers  # noqa: E402
 from benchmarks.report import write_report  # noqa: E402
 from cache_service import find_free_port  # noqa: E402
+from deployments.autoscaling.profile import wait_until_quiet  # noqa: E402
 from deployments.config import PlatformConfig  # noqa: E402
 from deployments.tenancy import TenantRegistry  # noqa: E402
 from model import load_model, load_tokenizer  # noqa: E402
@@ -270,12 +271,6 @@ def round_salts(rounds: int) -> list[str]:
     return ["warm"] + [str(r) for r in range(rounds)]
 
 
-def _cpu_times() -> tuple[int, int]:
-    """(busy, total) jiffies of all cores since boot (/proc/stat; idle and iowait are not busy)."""
-    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return sum(f) - f[3] - f[4], sum(f)
-
-
 SETTLE_BUSY = 0.25  # the machine counts as settled below this share of all cores busy over SETTLE_WINDOW_S
 SETTLE_WINDOW_S = 0.5
 SETTLE_MAX_S = 10.0
@@ -283,18 +278,11 @@ settle_waits: list[float] = []  # seconds each settle took (the page reports the
 
 
 def settle() -> None:
-    """Wait until the machine is quiet (under :data:`SETTLE_BUSY` of all cores busy over a
-    :data:`SETTLE_WINDOW_S` window), at most :data:`SETTLE_MAX_S`: what the previous wave left running (vLLM's
-    OpenMP threads spin for about a second after its last request; deltaserve's replicas write the wave's cache
-    entries) must not land on the next system's wave."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < SETTLE_MAX_S:
-        b0, n0 = _cpu_times()
-        time.sleep(SETTLE_WINDOW_S)
-        b1, n1 = _cpu_times()
-        if n1 > n0 and (b1 - b0) / (n1 - n0) < SETTLE_BUSY:
-            break
-    settle_waits.append(time.monotonic() - t0)
+    """Wait until the machine is quiet (:func:`~deployments.autoscaling.profile.wait_until_quiet`: under
+    :data:`SETTLE_BUSY` of all cores busy over a :data:`SETTLE_WINDOW_S` window), at most :data:`SETTLE_MAX_S`:
+    what the previous wave left running (vLLM's OpenMP threads spin for about a second after its last request;
+    deltaserve's replicas write the wave's cache entries) must not land on the next system's wave."""
+    settle_waits.append(wait_until_quiet(SETTLE_BUSY, SETTLE_WINDOW_S, SETTLE_MAX_S))
 
 
 def deltaserve_offline(model, tok, pool):

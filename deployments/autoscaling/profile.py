@@ -312,14 +312,38 @@ def alone_model(profile: Profile, config, pool: str, prompt: int, output: int) -
     return sim.pools[pool].ttft_s["p50"], sim.pools[pool].tpot_s["p50"] or 0.0
 
 
+def _cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) jiffies of all cores since boot (/proc/stat; idle and iowait are not busy)."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(f) - f[3] - f[4], sum(f)
+
+
+def wait_until_quiet(busy: float = 0.25, window_s: float = 0.5, max_s: float = 10.0) -> float:
+    """Wait until under ``busy`` of all the machine's cores were busy over a ``window_s`` window, at most
+    ``max_s``; returns the seconds waited. What ran just before (a platform settling after its start, a
+    previous wave's cache writes, another system's spinning threads) must not land on a measurement that is
+    meant to be taken on an idle machine."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < max_s:
+        b0, n0 = _cpu_jiffies()
+        time.sleep(window_s)
+        b1, n1 = _cpu_jiffies()
+        if n1 > n0 and (b1 - b0) / (n1 - n0) < busy:
+            break
+    return time.monotonic() - t0
+
+
 def measure_ingress(url: str, key: str, models: dict[str, str], lengths: dict[str, tuple[int, int]], profile: Profile,
                     *, reps: int = 8) -> dict:
     """The live platform's cost beyond the engine's steps, per pool: ``reps`` streamed requests of
-    ``lengths[pool]`` = (prompt, output) tokens sent one at a time (nothing else in flight) to ``url``; the
-    median client-side TTFT and TPOT minus what the simulator's abstract model (``profile``, no noise, no
-    cache) gives the same request alone. ``request_s`` is then the per-request overhead (HTTP proxy, ingress,
-    routing, the first chunk's way back), ``token_s`` the per-output-token one (the decode -> ingress ->
-    client hops, the handoff, chunking). Returns the profile's ``ingress`` section."""
+    ``lengths[pool]`` = (prompt, output) tokens sent one at a time (nothing else in flight, the machine quiet
+    before each: :func:`wait_until_quiet`) to ``url``; the median client-side TTFT and TPOT minus what the
+    simulator's abstract model (``profile``, no noise, no cache) gives the same request alone. ``request_s`` is
+    then the per-request overhead (HTTP proxy, ingress, routing, the first chunk's way back), ``token_s`` the
+    per-output-token one (the decode -> ingress -> client hops, the handoff, chunking). Returns the profile's
+    ``ingress`` section. A calibration taken while the machine was busy (a platform that had just started, at
+    load average 4) read highspeed's costs at 3x those of a quiet one (68 vs 22 ms per request, 3.4 vs 1.4 ms
+    per token) and put the machine-sharing predictions' TPOT 1.2-2x above what the replay then measured."""
     import asyncio
 
     import httpx
@@ -329,13 +353,18 @@ def measure_ingress(url: str, key: str, models: dict[str, str], lengths: dict[st
 
     config = PlatformConfig()
     pools = {}
+    waits: list[float] = []  # seconds each request waited for a quiet machine
     for pool, model in models.items():
         prompt, output = lengths[pool]
         texts = sized_prompts(reps + 1, prompt, salt=f"ingress-{pool}-")
 
         async def run(texts=texts, model=model, output=output) -> list[dict]:
+            out = []
             async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
-                return [await _stream(client, url, key, model, t, output, continuous=True) for t in texts]
+                for t in texts:
+                    waits.append(await asyncio.to_thread(wait_until_quiet))
+                    out.append(await _stream(client, url, key, model, t, output, continuous=True))
+            return out
 
         results = asyncio.run(run())[1:]  # the first warms this length's path
         ttft_m = statistics.median(r["ttft"] for r in results)
@@ -348,6 +377,8 @@ def measure_ingress(url: str, key: str, models: dict[str, str], lengths: dict[st
                        "samples": len(results)}
     return {"pools": pools, "url": url, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "loadavg_1m": round(os.getloadavg()[0], 2),
-            "source": "requests one at a time to an idle deltaserve up; client-side median TTFT / TPOT minus the "
+            "quiet_wait_s": {"median": round(statistics.median(waits), 2), "max": round(max(waits), 2)},
+            "source": "requests one at a time to an idle deltaserve up, each once under 25% of the cores were busy "
+                      "over 0.5 s (at most 10 s); client-side median TTFT / TPOT minus the "
                       "simulator's abstract model of the same request alone (deployments/autoscaling/profile.py "
                       "measure_ingress)"}

@@ -33,9 +33,10 @@ replicas on their own machines). ``SimSettings.machine_share`` models replicas s
 `deltaserve up` runs them here: the profile's ``cores`` are shared by processor sharing, so a prefill step,
 a decode segment or a replica's start-up that begins while ``n`` units are busy (replicas in a step or
 segment, this one included; a starting replica counts as ``Profile.startup_units``, the CPU its start-up
-takes over its idle wall time, as many cores as its processes keep busy; plus one for the ingress path
-while any request is in flight) takes ``max(1, n / cores)`` times as long; and each request pays the profile's measured ingress costs
-(``ingress_request_s`` before it reaches prefill, ``ingress_token_s`` on every decode step), stretched alike.
+takes over its idle wall time, as many cores as its processes keep busy; plus ``SimSettings.ingress_units``,
+0 by default, for the ingress path while any request is in flight) takes ``max(1, n / cores)`` times as long;
+and each request pays the profile's measured ingress costs (``ingress_request_s`` before it reaches prefill,
+``ingress_token_s`` on every decode step), stretched alike.
 
 Decode runs in segments: between two changes of a replica's batch (a stream finishing or joining) every
 step has the same batch, so a segment of k steps is one event; its step time uses the batch's mean
@@ -111,6 +112,8 @@ class SimSettings:
     # None: the policy's first decision, made at time 0 with no load
     machine_share: bool = False  # replicas share the profile's cores, requests pay its ingress costs (module doc);
     # False: every replica has its own hardware and nothing costs time outside the engine's steps
+    ingress_units: float = 0.0  # machine sharing: busy units the ingress path adds while requests are in flight; 0:
+    # it costs only its measured latency (docs/autoscaling.md, "Machine-sharing mode": 1 predicted worse here)
 
     def __post_init__(self) -> None:
         if not (self.tick_s > 0 and self.window_s >= self.tick_s):
@@ -309,13 +312,13 @@ class Simulator:
 
     def _stretch(self, extra: int = 1) -> float:
         """Machine-sharing mode: how much longer work that begins now takes, ``extra`` units joining those
-        busy (replicas in a step or segment, and the ingress path while requests are in flight); else 1."""
+        busy (replicas in a step or segment, and ``ingress_units`` while requests are in flight); else 1."""
         if not self.settings.machine_share:
             return 1.0
         busy = sum(1 for d in self.deps.values() for r in d.replicas
                    if r.state != "starting" and (r.step is not None if d.kind == "prefill" else bool(r.streams)))
         busy += self.profile.startup_units * sum(1 for d in self.deps.values() for r in d.replicas if r.state == "starting")
-        busy += extra + (1 if self.in_flight else 0)
+        busy += extra + (self.settings.ingress_units if self.in_flight else 0)
         return max(1.0, busy / max(self.profile.cores, 1e-9))
 
     def _noise(self) -> float:

@@ -384,24 +384,30 @@ def test_machine_share_with_enough_cores_and_no_ingress_cost_is_the_abstract_mod
 
 
 def test_machine_share_stretches_steps_by_busy_units_over_cores():
-    """One core. The first prefill step begins with the ingress busy (requests in flight) and itself: 2 units,
-    0.4 s; the second begins while the first steps: 3 units, 0.6 s (TTFTs 0.4 and 0.6). Decode: the first stream's segment begins at
-    0.4 with the second prefill stepping (3 units: 10 steps of 0.033 s); the second's at 0.6 with the first
-    segment running (3 units again)."""
+    """One core, the ingress path counted as a unit while requests are in flight (``ingress_units`` 1). The first
+    prefill step begins with the ingress busy and itself: 2 units, 0.4 s; the second begins while the first
+    steps: 3 units, 0.6 s (TTFTs 0.4 and 0.6). Decode: the first stream's segment begins at 0.4 with the second
+    prefill stepping (3 units: 10 steps of 0.033 s); the second's at 0.6 with the first segment running (3 units
+    again). Without the ingress unit (the default) every count is one lower."""
     requests, policy, kw = _two_at_once()
-    shared = simulate(requests, policy, profile=exact_profile(cores=1.0), machine_share=True, **kw).pools["standard"]
+    shared = simulate(requests, policy, profile=exact_profile(cores=1.0), machine_share=True, ingress_units=1.0,
+                      **kw).pools["standard"]
     assert shared.ttft_s == pytest.approx({"p50": 0.5, "p95": 0.4 + 0.95 * 0.2, "p99": 0.4 + 0.99 * 0.2}, abs=1e-9)
     assert shared.tpot_s == pytest.approx({"p50": 0.033, "p95": 0.033, "p99": 0.033}, abs=1e-9)
+    default = simulate(requests, policy, profile=exact_profile(cores=1.0), machine_share=True, **kw).pools["standard"]
+    assert default.ttft_s == pytest.approx({"p50": 0.3, "p95": 0.2 + 0.95 * 0.2, "p99": 0.2 + 0.99 * 0.2}, abs=1e-9)
+    assert default.tpot_s == pytest.approx({"p50": 0.022, "p95": 0.022, "p99": 0.022}, abs=1e-9)
 
 
 @pytest.mark.parametrize("startup_cpu_s, ttft", [(None, 0.3), (5.0, 0.3), (10.0, 0.4)])
 def test_machine_share_charges_a_starting_replica_its_measured_cpu(startup_cpu_s, ttft):
     """Two cores; decode-standard is raised to 2 at 1 s and its replica starts for 5 s. A request at 2 s meets
-    it starting: its prefill step counts itself, the ingress and the starting replica's units (its start-up's
-    CPU seconds over its 5 s: 1 without a measurement or at 5 CPU s, 2 at 10 CPU s), so it takes
+    it starting: its prefill step counts itself, the ingress (``ingress_units`` 1) and the starting replica's units
+    (its start-up's CPU seconds over its 5 s: 1 without a measurement or at 5 CPU s, 2 at 10 CPU s), so it takes
     0.2 x (1 + 1 + units) / 2."""
     prof = exact_profile(cores=2.0, replica_startup_cpu_s=startup_cpu_s)
-    sim = simulate(reqs((2.0, 100, 11)), Scripted([1, 2]), budget=3, tick_s=1.0, profile=prof, machine_share=True)
+    sim = simulate(reqs((2.0, 100, 11)), Scripted([1, 2]), budget=3, tick_s=1.0, profile=prof, machine_share=True,
+                   ingress_units=1.0)
     assert sim.pools["standard"].ttft_s["p50"] == pytest.approx(ttft, abs=1e-9)
     assert [(e["t"], e["to"]) for e in sim.deployments["decode-standard"]["scale_log"]] == [(1.0, 2)]
 

@@ -29,7 +29,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator, Mapping, Protocol
+from typing import AsyncIterator, Awaitable, Callable, Mapping, Protocol
 
 from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer, encode_chat, stop_token_ids
@@ -336,13 +336,16 @@ class Frontend:
 
     # -- completions ---------------------------------------------------------------
     async def complete(self, api_key: str | None, inp: CompletionInput, request_id: str | None = None, *,
-                       trace_parent: Mapping[str, str] | None = None) -> AsyncIterator[TextDelta | Finished]:
+                       trace_parent: Mapping[str, str] | None = None,
+                       admitted: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[TextDelta | Finished]:
         """Validate and admit (errors raise before the first event), then stream the completion:
         the events of ``inp.n`` choices, interleaved, each choice ending with its :class:`Finished`.
         ``request_id``: the id the ingress already shows the client (generated when None); every
         event and every log line of the request carries it. ``trace_parent``: the client's W3C trace
         context (:func:`~deployments.observability.tracing.client_carrier`), the parent of the
-        request's ``ingress`` span (which ends, served or failed, with the request)."""
+        request's ``ingress`` span (which ends, served or failed, with the request). ``admitted``: awaited
+        once the request is admitted, before anything runs (the requests of one multi-prompt completion start
+        only once all are admitted); what it raises fails the request, its reservation refunded."""
         t0 = time.monotonic()
         request_id = request_id or f"cmpl-{uuid.uuid4().hex[:24]}"
         record = RequestRecord(request_id, model=inp.model, task_id=inp.task_id)
@@ -363,8 +366,10 @@ class Frontend:
         produced = [0] * inp.n  # output tokens of each choice so far
         accounted = False
         try:
+            if admitted is not None:
+                await admitted()
             choices = [self._choice(inp, plan, i, carrier, span, produced, t0, record) for i in range(inp.n)]
-            async for ev in choices[0] if inp.n == 1 else _merge(choices):
+            async for ev in choices[0] if inp.n == 1 else merge_events(choices):
                 if isinstance(ev, Finished):
                     finished.append(ev)
                     if len(finished) == inp.n:  # before the last event: a client may stop reading after it
@@ -562,9 +567,10 @@ class Frontend:
         yield Finished(reason, usage, inp.model, plan.pool, replica, rid, index=index)
 
 
-async def _merge(streams: list[AsyncIterator]) -> AsyncIterator:
-    """Events of several async iterators as they come; the first error cancels the others and
-    is raised. Closing the merged stream closes every source."""
+async def merge_events(streams: list[AsyncIterator]) -> AsyncIterator:
+    """Events of several async iterators as they come (a request's ``n`` choices; a completion's
+    prompts); the first error cancels the others and is raised. Closing the merged stream closes
+    every source."""
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 

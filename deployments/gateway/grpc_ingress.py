@@ -116,14 +116,17 @@ def completion_input_from_request(request: pb.GenerateRequest, grpc_context: Any
     """Map a ``GenerateRequest`` onto :class:`CompletionInput`; raises :class:`BadRequest`.
 
     Unset ``optional`` fields keep the CompletionInput defaults (``max_tokens``: the rest of
-    the tenant's context). Either ``prompt`` or ``messages`` is the input (not both); value
+    the tenant's context). One of ``prompt``, ``prompt_token_ids`` or ``messages`` is the input; value
     ranges and limits are the frontend's to validate (the same code as HTTP's).
     """
     kwargs: dict[str, Any] = {"model": request.model}
+    if sum(map(bool, (request.prompt, len(request.prompt_token_ids), len(request.messages)))) > 1:
+        raise BadRequest("set one of prompt, prompt_token_ids or messages", param="messages" if len(request.messages)
+                         else "prompt_token_ids")
     if len(request.messages):
-        if request.prompt:
-            raise BadRequest("set either prompt or messages, not both", param="messages")
         kwargs["messages"] = tuple(ChatMessage(role=m.role, content=m.content) for m in request.messages)
+    elif len(request.prompt_token_ids):
+        kwargs["prompt_ids"] = tuple(request.prompt_token_ids)
     else:
         kwargs["prompt"] = request.prompt
     if request.HasField("max_tokens"):

@@ -34,8 +34,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments.gateway.frontend import merge_events
 from deployments.gateway.protocol import (ChatMessage, CompletionInput, Finished, RequestLimits, TextDelta,
-                                          TokenLogprobs, total_usage)
+                                          TokenLogprobs, usage_over_prompts)
 from deployments.observability import tracing
 from deployments.gateway.affinity import AFFINITY_HEADER, parse_affinity_header
 from deployments.gateway.errors import (ApiError, BadRequest, MethodNotAllowed, NotFound, PayloadTooLarge,
@@ -116,8 +117,9 @@ class _OpenAIRequest(BaseModel):
 
 class CompletionRequest(_OpenAIRequest):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]] = Field(
-        description="the prompt: a string, or token ids (a list must hold exactly one prompt: [string] or [[ids]]); "
-                    "literal control-token strings in a string are plain text unless allow_special_tokens")
+        description=f"the prompt: a string or a list of token ids; or up to {_LIMITS.max_prompts} prompts, a list of "
+                    "strings or of token-id lists (choice i*n + j is prompt i's choice j); literal control-token "
+                    "strings in a string are plain text unless allow_special_tokens")
     logprobs: int | None = Field(None, description=f"0 to {_LIMITS.max_logprobs}: each token's logprob and this "
                                  "many most likely alternatives")
     allow_special_tokens: bool = Field(False, description="deltaserve extension: literal control-token strings in the "
@@ -126,17 +128,23 @@ class CompletionRequest(_OpenAIRequest):
     suffix: Any = _unsupported()
     best_of: Any = _unsupported()
 
-    def to_input(self, session_id: str | None, task_id: str | None = None) -> CompletionInput:
+    def to_inputs(self, session_id: str | None, task_id: str | None = None) -> list[CompletionInput]:
+        """One input per prompt: a string or token ids is one; a list of strings or of token-id lists, one each."""
         common = self.common()
         prompt = self.prompt
-        if isinstance(prompt, list) and not (prompt and isinstance(prompt[0], int)):
-            if len(prompt) != 1:
-                raise BadRequest(f"prompt lists must hold exactly one prompt (a string or a list of token ids), got "
-                                 f"{len(prompt)}", param="prompt")
-            prompt = prompt[0]
-        text, ids = (prompt, None) if isinstance(prompt, str) else (None, tuple(prompt))
-        return CompletionInput(prompt=text, prompt_ids=ids, session_id=session_id, task_id=task_id,
-                               logprobs=self.logprobs, allow_special_tokens=self.allow_special_tokens, **common)
+        prompts = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
+        if not prompts:
+            raise BadRequest("the prompt list is empty", param="prompt")
+        if len(prompts) > _LIMITS.max_prompts:
+            raise BadRequest(f"prompt may hold at most {_LIMITS.max_prompts} prompts, got {len(prompts)}",
+                             param="prompt")
+        if len(prompts) > 1 and session_id is not None:
+            raise BadRequest(f"x-session-id names one conversation: send one prompt with it, got {len(prompts)}",
+                             param="x-session-id")
+        return [CompletionInput(prompt=p if isinstance(p, str) else None,
+                                prompt_ids=None if isinstance(p, str) else tuple(p), session_id=session_id,
+                                task_id=task_id, logprobs=self.logprobs, allow_special_tokens=self.allow_special_tokens,
+                                **common) for p in prompts]
 
 
 class _ContentPart(BaseModel):
@@ -301,6 +309,62 @@ async def _chain(head: list, rest: AsyncIterator):
         yield ev
 
 
+async def _reindexed(events: AsyncIterator, offset: int):
+    """A prompt's events with their choice index moved past the earlier prompts' choices."""
+    async for ev in events:
+        yield dataclasses.replace(ev, index=ev.index + offset)
+
+
+class _RefusedWithSibling(BadRequest):
+    """A prompt of a multi-prompt completion that was admitted, failed because another prompt was refused."""
+
+
+class _AdmittedTogether:
+    """The requests of one multi-prompt completion start only once every one is admitted, so a prompt refused
+    (over the context, the tenant's rate) refuses the whole before any prompt is prefilled or charged."""
+
+    def __init__(self, requests: int) -> None:
+        self.left, self.go, self.refused = requests, asyncio.Event(), False
+
+    async def admitted(self) -> None:
+        self.left -= 1
+        if self.left == 0:
+            self.go.set()
+        await self.go.wait()
+        if self.refused:
+            raise _RefusedWithSibling("another prompt of this request was refused", param="prompt")
+
+    def refuse(self) -> None:
+        self.refused = True
+        self.go.set()
+
+
+async def _first_of_all(streams: list[AsyncIterator], n: int, together: _AdmittedTogether | None) -> AsyncIterator:
+    """:func:`_first` of every stream at once (their prompts admitted together, then prefilled side by side);
+    the first error in prompt order (a sibling's own refusal before the others') closes them all and is raised;
+    else their events as one stream, prompt ``i``'s choices at ``i * n + j``."""
+    async def first(s: AsyncIterator) -> list:
+        try:
+            return await _first(s)
+        except BaseException:
+            if together is not None:
+                together.refuse()
+            raise
+
+    try:
+        heads = await asyncio.gather(*(first(s) for s in streams), return_exceptions=True)
+        errors = [h for h in heads if isinstance(h, BaseException)]
+        if errors:
+            raise next((e for e in errors if not isinstance(e, _RefusedWithSibling)), errors[0])
+    except BaseException:
+        for s in streams:
+            await s.aclose()
+        raise
+    if len(streams) == 1:
+        return _chain(heads[0], streams[0])
+    return merge_events([_reindexed(_chain(h, s), i * n) for i, (h, s) in enumerate(zip(heads, streams))])
+
+
 class BodyLimit:
     """ASGI middleware: a request body over ``max_bytes`` is a 413 before anything parses it
     (by ``Content-Length``, or by counting the bytes of a chunked body as they arrive), and a body that has not
@@ -384,6 +448,9 @@ def build_http_app(limits: RequestLimits = _LIMITS) -> FastAPI:
             err = BadRequest(f"request body is not valid JSON: {first.get('msg')}")
         elif first.get("type") == "extra_forbidden":
             err = BadRequest(f"Unrecognized request argument supplied: {where[:100]}", param=where[:100])
+        elif loc[:1] == ["prompt"] and first.get("type") != "missing":  # which member of the union failed says little
+            err = BadRequest("prompt must be a string, a list of token ids (integers), or a list of strings or of "
+                             "token-id lists (several prompts)", param="prompt")
         else:
             err = BadRequest(f"invalid request: {where or 'body'}: {first.get('msg')}", param=where or None)
         return _error(err, _request_id(request))
@@ -479,21 +546,30 @@ class IngressRoutes:
         created = int(time.time())
         rid = _request_id(request, "chatcmpl" if chat else "cmpl")
         try:
-            inp = body.to_input(request.headers.get("x-session-id"), request.headers.get("x-task-id"))
+            ids = (request.headers.get("x-session-id"), request.headers.get("x-task-id"))
+            inputs = [body.to_input(*ids)] if chat else body.to_inputs(*ids)
             if not _affinity(request):
-                inp = dataclasses.replace(inp, affinity=False)
-            events = self.frontend.complete(_api_key(request), inp, request_id=rid,
-                                            trace_parent=tracing.client_carrier(request.headers))
-            head = await _first(events)
+                inputs = [dataclasses.replace(inp, affinity=False) for inp in inputs]
+            inp = inputs[0]
+            # a completion of several prompts is a request per prompt (ids <rid>-<i>), admitted together: the first
+            # error of any refuses the whole before a byte is sent, and their events merge into one response
+            parent = tracing.client_carrier(request.headers)
+            key = _api_key(request)
+            together = _AdmittedTogether(len(inputs)) if len(inputs) > 1 else None
+            streams = [self.frontend.complete(key, x, request_id=rid if len(inputs) == 1 else f"{rid}-{i}",
+                                              trace_parent=parent, admitted=together and together.admitted)
+                       for i, x in enumerate(inputs)]
+            events = await _first_of_all(streams, inp.n, together)
             pool = self.frontend.resolve(inp.model)
+            choices = len(inputs) * inp.n
             if not body.stream:
-                return await _whole(_chain(head, events), chat, created, rid, pool, inp.n, inp.logprobs is not None)
+                return await _whole(events, chat, created, rid, pool, choices, inp.logprobs is not None, inp.n)
         except Exception as e:
             return _error(e, rid)
         if body.stream:
             opts = body.stream_options or _StreamOptions()
-            stream = _sse(_chain(head, events), chat, created, opts.include_usage, inp.model, rid, inp.n,
-                          opts.include_usage and opts.continuous_usage_stats)
+            stream = _sse(events, chat, created, opts.include_usage, inp.model, rid, choices,
+                          opts.include_usage and opts.continuous_usage_stats, inp.n)
             return StreamingResponse(stream, media_type="text/event-stream",
                                      headers={"x-deltaserve-pool": pool, "x-deltaserve-request-id": rid,
                                               "cache-control": "no-cache"})
@@ -513,8 +589,9 @@ async def _collect(events: AsyncIterator, n: int) -> tuple[list[list[str]], list
 
 
 async def _whole(events: AsyncIterator, chat: bool, created: int, rid: str, pool: str, n: int,
-                 logprobs: bool) -> JSONResponse:
-    """The whole completion as one response: its ``n`` choices by index, the usage summed."""
+                 logprobs: bool, per_prompt: int) -> JSONResponse:
+    """The whole completion as one response: its ``n`` choices by index (``per_prompt`` of them for each
+    prompt), the usage summed."""
     text, lps, fins = await _collect(events, n)
     choices = []
     for fin in fins:
@@ -527,21 +604,24 @@ async def _whole(events: AsyncIterator, chat: bool, created: int, rid: str, pool
                             "logprobs": _completion_logprobs(lp, TextOffsets()) if logprobs else None})
     last = fins[-1]
     return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                         "model": last.model, "choices": choices, "usage": _usage_json(total_usage(fins)),
+                         "model": last.model, "choices": choices, "usage": _usage_json(usage_over_prompts(fins, per_prompt)),
                          "system_fingerprint": last.pool},
                         headers={"x-deltaserve-pool": pool, "x-deltaserve-replica": last.replica,
                                  "x-deltaserve-request-id": rid})
 
 
 async def _sse(events: AsyncIterator, chat: bool, created: int, include_usage: bool, model: str, rid: str, n: int,
-               continuous: bool = False) -> AsyncIterator[str]:
+               continuous: bool = False, per_prompt: int | None = None) -> AsyncIterator[str]:
     """One SSE event per :class:`TextDelta` (its text may hold several tokens; ``index`` names
-    its choice), a finish event per choice, then the usage event (``include_usage``) and
-    ``[DONE]``. ``continuous``: every text event also carries ``usage`` so far (vLLM's
-    ``continuous_usage_stats``). An error after the first byte is an ``error`` event, then ``[DONE]``."""
+    its choice, ``per_prompt`` of them for each prompt), a finish event per choice, then the usage event
+    (``include_usage``) and ``[DONE]``. ``continuous``: every text event also carries ``usage`` so far (vLLM's
+    ``continuous_usage_stats``; the prompts' tokens as far as their first events have come). An error after the
+    first byte is an ``error`` event, then ``[DONE]``."""
     obj = "chat.completion.chunk" if chat else "text_completion"
+    per_prompt = per_prompt or n
     started = [False] * n
     offsets = [TextOffsets() for _ in range(n)]
+    prompt_tokens: dict[int, int] = {}  # prompt -> its prompt tokens (from its events)
     n_out = 0
     fins: list[Finished] = []
     try:
@@ -559,8 +639,9 @@ async def _sse(events: AsyncIterator, chat: bool, created: int, include_usage: b
                 event = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
                 if continuous:
                     n_out += len(ev.token_ids)
-                    event["usage"] = {"prompt_tokens": ev.prompt_tokens, "completion_tokens": n_out,
-                                      "total_tokens": ev.prompt_tokens + n_out}
+                    prompt_tokens[i // per_prompt] = ev.prompt_tokens
+                    seen = sum(prompt_tokens.values())
+                    event["usage"] = {"prompt_tokens": seen, "completion_tokens": n_out, "total_tokens": seen + n_out}
                 yield f"data: {json.dumps(event)}\n\n"
             else:
                 fins.append(ev)
@@ -569,7 +650,7 @@ async def _sse(events: AsyncIterator, chat: bool, created: int, include_usage: b
                 meta = {"pool": ev.pool, "replica": ev.replica}
                 yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': ev.model, 'choices': [choice], 'deltaserve': meta})}\n\n"
         if include_usage and fins:
-            usage = _usage_json(total_usage(fins))
+            usage = _usage_json(usage_over_prompts(fins, per_prompt))
             yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': model, 'choices': [], 'usage': usage})}\n\n"
     except Exception as e:
         _, body, _ = http_error(e, rid)

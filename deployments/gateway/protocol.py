@@ -29,6 +29,7 @@ class RequestLimits:
     # client holds an ingress slot no longer; HAProxy holds headers and short bodies to the same bound)
     max_prompt_bytes: int = 2 * 2**20  # UTF-8 bytes of a prompt or of all messages' text, checked before tokenizing
     max_n: int = 8  # choices per request (n * max_tokens counts against the tenant's tokens/min)
+    max_prompts: int = 32  # prompts of one completions request (each a request of its own, with n choices)
     max_stop: int = 4  # stop strings per request
     max_stop_chars: int = 256  # characters of one stop string
     max_id_chars: int = 256  # model id, user, x-session-id, x-task-id and cache_salt, characters
@@ -133,6 +134,24 @@ class Finished:
     request_id: str = ""
     extra: dict = field(default_factory=dict)
     index: int = 0  # the choice (0..n-1)
+
+
+def usage_over_prompts(finished: list[Finished], n: int) -> Usage:
+    """The usage of a completion of several prompts, its choices indexed ``prompt * n + choice``: each
+    prompt's :func:`total_usage`, the tokens (and so the cost) summed over the prompts, the first token's
+    time the earliest and the end the latest."""
+    by_prompt: dict[int, list[Finished]] = {}
+    for f in finished:
+        by_prompt.setdefault(f.index // n, []).append(f)
+    us = [total_usage(fs) for _, fs in sorted(by_prompt.items())]
+    if len(us) == 1:
+        return us[0]
+    out, choices = sum(u.completion_tokens for u in us), len(finished)
+    e2e, ttft = max(u.end_to_end_s for u in us), min(u.time_to_first_token_s for u in us)
+    return Usage(prompt_tokens=sum(u.prompt_tokens for u in us), completion_tokens=out,
+                 cached_tokens=sum(u.cached_tokens for u in us), time_to_first_token_s=ttft,
+                 output_tokens_per_s=(out - choices) / (e2e - ttft) if out > choices and e2e > ttft else 0.0,
+                 end_to_end_s=e2e, price=us[0].price)
 
 
 def total_usage(finished: list[Finished]) -> Usage:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x64\x65ltaserve/v1/inference.proto\x12\rdeltaserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x95\x04\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12,\n\x08messages\x18\x03 \x03(\x0b\x32\x1a.deltaserve.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nsession_id\x18\t \x01(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x12\n\ncache_salt\x18\x0b \x01(\t\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x05\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x06\x88\x01\x01\x12\x0c\n\x04user\x18\x0f \x01(\t\x12\x1c\n\x14\x61llow_special_tokens\x18\x10 \x01(\x08\x12\x0f\n\x07task_id\x18\x11 \x01(\t\x12\x0e\n\x01n\x18\x12 \x01(\x05H\x07\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobsB\x04\n\x02_n\"G\n\x10TokenAlternative\x12\r\n\x05token\x18\x01 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x02 \x01(\x0c\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\"q\n\x0cTokenLogprob\x12\r\n\x05token\x18\x01 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x02 \x01(\x0c\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\x12,\n\x03top\x18\x04 \x03(\x0b\x32\x1f.deltaserve.v1.TokenAlternative\"\xe2\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x1d\n\x15time_to_first_token_s\x18\x04 \x01(\x01\x12\x1b\n\x13output_tokens_per_s\x18\x05 \x01(\x01\x12\x14\n\x0c\x65nd_to_end_s\x18\x06 \x01(\x01\x12\x0c\n\x04\x63ost\x18\x07 \x01(\x01\x12\x30\n\x0c\x63ost_details\x18\x08 \x01(\x0b\x32\x1a.deltaserve.v1.CostDetails\"B\n\x0b\x43ostDetails\x12\r\n\x05input\x18\x01 \x01(\x01\x12\x14\n\x0c\x63\x61\x63hed_input\x18\x02 \x01(\x01\x12\x0e\n\x06output\x18\x03 \x01(\x01\"~\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12-\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1b.deltaserve.v1.TokenLogprob\"\x88\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.deltaserve.v1.Usage\x12\r\n\x05model\x18\x05 \x01(\t\x12\x0c\n\x04pool\x18\x06 \x01(\t\x12\x0f\n\x07replica\x18\x07 \x01(\t\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12-\n\x08logprobs\x18\t \x03(\x0b\x32\x1b.deltaserve.v1.TokenLogprob\x12&\n\x07\x63hoices\x18\n \x03(\x0b\x32\x15.deltaserve.v1.Choice\"\x87\x02\n\x16GenerateStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.deltaserve.v1.Usage\x12\r\n\x05model\x18\x06 \x01(\t\x12\x0c\n\x04pool\x18\x07 \x01(\t\x12\x0f\n\x07replica\x18\x08 \x01(\t\x12-\n\x08logprobs\x18\t \x03(\x0b\x32\x1b.deltaserve.v1.TokenLogprob\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\r\n\x05index\x18\x0b \x01(\x05\"\x13\n\x11ListModelsRequest\"[\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x10\n\x08owned_by\x18\x03 \x01(\t\x12\x0f\n\x07\x63reated\x18\x04 \x01(\x03\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.deltaserve.v1.Model\"<\n\x18ReportTaskOutcomeRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0f\n\x07outcome\x18\x02 \x01(\t\"/\n\rTaskPoolSpend\x12\x10\n\x08requests\x18\x01 \x01(\x03\x12\x0c\n\x04\x63ost\x18\x02 \x01(\x01\"\xd1\x01\n\x0bTaskOutcome\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0f\n\x07outcome\x18\x02 \x01(\t\x12\x10\n\x08requests\x18\x03 \x01(\x03\x12\x0c\n\x04\x63ost\x18\x04 \x01(\x01\x12\x34\n\x05pools\x18\x05 \x03(\x0b\x32%.deltaserve.v1.TaskOutcome.PoolsEntry\x1aJ\n\nPoolsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12+\n\x05value\x18\x02 \x01(\x0b\x32\x1c.deltaserve.v1.TaskPoolSpend:\x02\x38\x01\x32\xe0\x02\n\tInference\x12K\n\x08Generate\x12\x1e.deltaserve.v1.GenerateRequest\x1a\x1f.deltaserve.v1.GenerateResponse\x12Y\n\x0eGenerateStream\x12\x1e.deltaserve.v1.GenerateRequest\x1a%.deltaserve.v1.GenerateStreamResponse0\x01\x12Q\n\nListModels\x12 .deltaserve.v1.ListModelsRequest\x1a!.deltaserve.v1.ListModelsResponse\x12X\n\x11ReportTaskOutcome\x12\'.deltaserve.v1.ReportTaskOutcomeRequest\x1a\x1a.deltaserve.v1.TaskOutcomeb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x64\x65ltaserve/v1/inference.proto\x12\rdeltaserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xaf\x04\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12,\n\x08messages\x18\x03 \x03(\x0b\x32\x1a.deltaserve.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nsession_id\x18\t \x01(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x12\n\ncache_salt\x18\x0b \x01(\t\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x05\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x06\x88\x01\x01\x12\x0c\n\x04user\x18\x0f \x01(\t\x12\x1c\n\x14\x61llow_special_tokens\x18\x10 \x01(\x08\x12\x0f\n\x07task_id\x18\x11 \x01(\t\x12\x0e\n\x01n\x18\x12 \x01(\x05H\x07\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x13 \x03(\x05\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobsB\x04\n\x02_n\"G\n\x10TokenAlternative\x12\r\n\x05token\x18\x01 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x02 \x01(\x0c\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\"q\n\x0cTokenLogprob\x12\r\n\x05token\x18\x01 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x02 \x01(\x0c\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\x12,\n\x03top\x18\x04 \x03(\x0b\x32\x1f.deltaserve.v1.TokenAlternative\"\xe2\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x1d\n\x15time_to_first_token_s\x18\x04 \x01(\x01\x12\x1b\n\x13output_tokens_per_s\x18\x05 \x01(\x01\x12\x14\n\x0c\x65nd_to_end_s\x18\x06 \x01(\x01\x12\x0c\n\x04\x63ost\x18\x07 \x01(\x01\x12\x30\n\x0c\x63ost_details\x18\x08 \x01(\x0b\x32\x1a.deltaserve.v1.CostDetails\"B\n\x0b\x43ostDetails\x12\r\n\x05input\x18\x01 \x01(\x01\x12\x14\n\x0c\x63\x61\x63hed_input\x18\x02 \x01(\x01\x12\x0e\n\x06output\x18\x03 \x01(\x01\"~\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12-\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1b.deltaserve.v1.TokenLogprob\"\x88\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.deltaserve.v1.Usage\x12\r\n\x05model\x18\x05 \x01(\t\x12\x0c\n\x04pool\x18\x06 \x01(\t\x12\x0f\n\x07replica\x18\x07 \x01(\t\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12-\n\x08logprobs\x18\t \x03(\x0b\x32\x1b.deltaserve.v1.TokenLogprob\x12&\n\x07\x63hoices\x18\n \x03(\x0b\x32\x15.deltaserve.v1.Choice\"\x87\x02\n\x16GenerateStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.deltaserve.v1.Usage\x12\r\n\x05model\x18\x06 \x01(\t\x12\x0c\n\x04pool\x18\x07 \x01(\t\x12\x0f\n\x07replica\x18\x08 \x01(\t\x12-\n\x08logprobs\x18\t \x03(\x0b\x32\x1b.deltaserve.v1.TokenLogprob\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\r\n\x05index\x18\x0b \x01(\x05\"\x13\n\x11ListModelsRequest\"[\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x10\n\x08owned_by\x18\x03 \x01(\t\x12\x0f\n\x07\x63reated\x18\x04 \x01(\x03\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.deltaserve.v1.Model\"<\n\x18ReportTaskOutcomeRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0f\n\x07outcome\x18\x02 \x01(\t\"/\n\rTaskPoolSpend\x12\x10\n\x08requests\x18\x01 \x01(\x03\x12\x0c\n\x04\x63ost\x18\x02 \x01(\x01\"\xd1\x01\n\x0bTaskOutcome\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0f\n\x07outcome\x18\x02 \x01(\t\x12\x10\n\x08requests\x18\x03 \x01(\x03\x12\x0c\n\x04\x63ost\x18\x04 \x01(\x01\x12\x34\n\x05pools\x18\x05 \x03(\x0b\x32%.deltaserve.v1.TaskOutcome.PoolsEntry\x1aJ\n\nPoolsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12+\n\x05value\x18\x02 \x01(\x0b\x32\x1c.deltaserve.v1.TaskPoolSpend:\x02\x38\x01\x32\xe0\x02\n\tInference\x12K\n\x08Generate\x12\x1e.deltaserve.v1.GenerateRequest\x1a\x1f.deltaserve.v1.GenerateResponse\x12Y\n\x0eGenerateStream\x12\x1e.deltaserve.v1.GenerateRequest\x1a%.deltaserve.v1.GenerateStreamResponse0\x01\x12Q\n\nListModels\x12 .deltaserve.v1.ListModelsRequest\x1a!.deltaserve.v1.ListModelsResponse\x12X\n\x11ReportTaskOutcome\x12\'.deltaserve.v1.ReportTaskOutcomeRequest\x1a\x1a.deltaserve.v1.TaskOutcomeb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,35 +36,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=48
   _globals['_CHATMESSAGE']._serialized_end=92
   _globals['_GENERATEREQUEST']._serialized_start=95
-  _globals['_GENERATEREQUEST']._serialized_end=628
-  _globals['_TOKENALTERNATIVE']._serialized_start=630
-  _globals['_TOKENALTERNATIVE']._serialized_end=701
-  _globals['_TOKENLOGPROB']._serialized_start=703
-  _globals['_TOKENLOGPROB']._serialized_end=816
-  _globals['_USAGE']._serialized_start=819
-  _globals['_USAGE']._serialized_end=1045
-  _globals['_COSTDETAILS']._serialized_start=1047
-  _globals['_COSTDETAILS']._serialized_end=1113
-  _globals['_CHOICE']._serialized_start=1115
-  _globals['_CHOICE']._serialized_end=1241
-  _globals['_GENERATERESPONSE']._serialized_start=1244
-  _globals['_GENERATERESPONSE']._serialized_end=1508
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1511
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1774
-  _globals['_LISTMODELSREQUEST']._serialized_start=1776
-  _globals['_LISTMODELSREQUEST']._serialized_end=1795
-  _globals['_MODEL']._serialized_start=1797
-  _globals['_MODEL']._serialized_end=1888
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1890
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1948
-  _globals['_REPORTTASKOUTCOMEREQUEST']._serialized_start=1950
-  _globals['_REPORTTASKOUTCOMEREQUEST']._serialized_end=2010
-  _globals['_TASKPOOLSPEND']._serialized_start=2012
-  _globals['_TASKPOOLSPEND']._serialized_end=2059
-  _globals['_TASKOUTCOME']._serialized_start=2062
-  _globals['_TASKOUTCOME']._serialized_end=2271
-  _globals['_TASKOUTCOME_POOLSENTRY']._serialized_start=2197
-  _globals['_TASKOUTCOME_POOLSENTRY']._serialized_end=2271
-  _globals['_INFERENCE']._serialized_start=2274
-  _globals['_INFERENCE']._serialized_end=2626
+  _globals['_GENERATEREQUEST']._serialized_end=654
+  _globals['_TOKENALTERNATIVE']._serialized_start=656
+  _globals['_TOKENALTERNATIVE']._serialized_end=727
+  _globals['_TOKENLOGPROB']._serialized_start=729
+  _globals['_TOKENLOGPROB']._serialized_end=842
+  _globals['_USAGE']._serialized_start=845
+  _globals['_USAGE']._serialized_end=1071
+  _globals['_COSTDETAILS']._serialized_start=1073
+  _globals['_COSTDETAILS']._serialized_end=1139
+  _globals['_CHOICE']._serialized_start=1141
+  _globals['_CHOICE']._serialized_end=1267
+  _globals['_GENERATERESPONSE']._serialized_start=1270
+  _globals['_GENERATERESPONSE']._serialized_end=1534
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1537
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1800
+  _globals['_LISTMODELSREQUEST']._serialized_start=1802
+  _globals['_LISTMODELSREQUEST']._serialized_end=1821
+  _globals['_MODEL']._serialized_start=1823
+  _globals['_MODEL']._serialized_end=1914
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1916
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1974
+  _globals['_REPORTTASKOUTCOMEREQUEST']._serialized_start=1976
+  _globals['_REPORTTASKOUTCOMEREQUEST']._serialized_end=2036
+  _globals['_TASKPOOLSPEND']._serialized_start=2038
+  _globals['_TASKPOOLSPEND']._serialized_end=2085
+  _globals['_TASKOUTCOME']._serialized_start=2088
+  _globals['_TASKOUTCOME']._serialized_end=2297
+  _globals['_TASKOUTCOME_POOLSENTRY']._serialized_start=2223
+  _globals['_TASKOUTCOME_POOLSENTRY']._serialized_end=2297
+  _globals['_INFERENCE']._serialized_start=2300
+  _globals['_INFERENCE']._serialized_end=2652
 # @@protoc_insertion_point(module_scope)

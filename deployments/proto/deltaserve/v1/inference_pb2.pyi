@@ -15,7 +15,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "messages", "max_tokens", "temperature", "top_p", "seed", "stop", "session_id", "ignore_eos", "cache_salt", "presence_penalty", "frequency_penalty", "logprobs", "user", "allow_special_tokens", "task_id", "n")
+    __slots__ = ("model", "prompt", "messages", "max_tokens", "temperature", "top_p", "seed", "stop", "session_id", "ignore_eos", "cache_salt", "presence_penalty", "frequency_penalty", "logprobs", "user", "allow_special_tokens", "task_id", "n", "prompt_token_ids")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class GenerateRequest(_message.Message):
     ALLOW_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
@@ -52,7 +53,8 @@ class GenerateRequest(_message.Message):
     allow_special_tokens: bool
     task_id: str
     n: int
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., user: _Optional[str] = ..., allow_special_tokens: _Optional[bool] = ..., task_id: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., user: _Optional[str] = ..., allow_special_tokens: _Optional[bool] = ..., task_id: _Optional[str] = ..., n: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenAlternative(_message.Message):
     __slots__ = ("token", "token_bytes", "logprob")

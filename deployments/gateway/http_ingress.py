@@ -353,9 +353,12 @@ async def _first_of_all(streams: list[AsyncIterator], n: int, together: _Admitte
 
     try:
         heads = await asyncio.gather(*(first(s) for s in streams), return_exceptions=True)
-        errors = [h for h in heads if isinstance(h, BaseException)]
+        errors = [(i, h) for i, h in enumerate(heads) if isinstance(h, BaseException)]
         if errors:
-            raise next((e for e in errors if not isinstance(e, _RefusedWithSibling)), errors[0])
+            i, err = next(((i, e) for i, e in errors if not isinstance(e, _RefusedWithSibling)), errors[0])
+            if len(streams) > 1 and isinstance(err, ApiError):
+                err.message = f"prompt {i}: {err.message}"  # which of the prompts it was
+            raise err
     except BaseException:
         for s in streams:
             await s.aclose()

@@ -74,6 +74,7 @@ def test_a_bad_prompt_refuses_the_whole_request_before_anything_runs(served):
         too_long = "x " * CONTEXT
         err = error(["fine", too_long])
         assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+        assert err["message"].startswith("prompt 1: This model's maximum context length")
         err = error(["p"] * (limits.max_prompts + 1))
         assert err["message"] == f"prompt may hold at most {limits.max_prompts} prompts, got {limits.max_prompts + 1}"
         err = error(["a", "b"], headers={"x-session-id": "conv-1"})

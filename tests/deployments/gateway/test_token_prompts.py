@@ -48,7 +48,7 @@ def test_bad_token_id_prompts_are_400_naming_the_value(served):
         err = _error(served, [5, bad, 6])
         assert err["param"] == "prompt" and err["message"] == f"prompt token ids must be in [0, {vocab - 1}], got {bad}"
     err = _error(served, [[1, 2], [3, bad]])  # the second of two prompts
-    assert err["param"] == "prompt" and err["message"] == f"prompt token ids must be in [0, {vocab - 1}], got {bad}"
+    assert err["param"] == "prompt" and err["message"] == f"prompt 1: prompt token ids must be in [0, {vocab - 1}], got {bad}"
     assert _error(served, [[]])["message"] == "the prompt is empty"
     for not_ids in ([1.5], [True], [1, "a"], [[1, "a"]], [None], {"ids": [1]}):
         err = _error(served, not_ids)

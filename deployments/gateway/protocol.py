@@ -29,7 +29,8 @@ class RequestLimits:
     # client holds an ingress slot no longer; HAProxy holds headers and short bodies to the same bound)
     max_prompt_bytes: int = 2 * 2**20  # UTF-8 bytes of a prompt or of all messages' text, checked before tokenizing
     max_n: int = 8  # choices per request (n * max_tokens counts against the tenant's tokens/min)
-    max_prompts: int = 32  # prompts of one completions request (each a request of its own, with n choices)
+    max_prompts: int = 32  # prompts of one completions request, and its prompts x n (each prompt a request of its
+    #                        own: one of the tenant's requests per minute)
     max_stop: int = 4  # stop strings per request
     max_stop_chars: int = 256  # characters of one stop string
     max_id_chars: int = 256  # model id, user, x-session-id, x-task-id and cache_salt, characters

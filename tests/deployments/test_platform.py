@@ -353,7 +353,7 @@ def test_a_standard_burst_is_prefilled_by_decode_and_prefill_side_by_side(platfo
     before = {k: _prompt_tokens_computed(k, "standard") for k in ("prefill", "decode")}
 
     # the clients are built first and the requests sent together: the burst must reach the ingress within the
-    # decode gather gap of one another (10 ms), which building a client per request (an SSL context each) spreads
+    # decode gather gap of one another (30 ms here), which building a client per request (an SSL context each) spreads
     clients = [_client(platform) for _ in prompts]
     go = threading.Barrier(streams)
 

@@ -77,6 +77,13 @@ def test_a_bad_prompt_refuses_the_whole_request_before_anything_runs(served):
         assert err["message"].startswith("prompt 1: This model's maximum context length")
         err = error(["p"] * (limits.max_prompts + 1))
         assert err["message"] == f"prompt may hold at most {limits.max_prompts} prompts, got {limits.max_prompts + 1}"
+        r = h.post("/v1/completions", json={"model": MODEL, "prompt": ["p"] * 5, "n": 8, "max_tokens": 4})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        assert r.json()["error"]["message"] == f"prompts x n may be at most {limits.max_prompts} choices, got 5 x 8"
+        # an error that is every prompt's (here the pool the tenant may not use) names none of them
+        r = h.post("/v1/completions", headers={"Authorization": f"Bearer {served.small_key}"},
+                   json={"model": f"{MODEL}-highspeed", "prompt": ["a", "b"], "max_tokens": 4})
+        assert r.status_code == 403 and not r.json()["error"]["message"].startswith("prompt"), r.text
         err = error(["a", "b"], headers={"x-session-id": "conv-1"})
         assert err["param"] == "x-session-id" and "got 2" in err["message"]
         assert error([])["message"] == "the prompt list is empty"

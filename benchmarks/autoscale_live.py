@@ -22,8 +22,9 @@ aborted streams (a stream that ended without all its tokens), and the serving re
 over time (Serve's details every ``--poll-s`` from a Ray driver). The same trace goes through the simulator
 (``deployments/autoscaling/simulator.py``) with the same split / the same policy and a profile measured on this
 machine just before (``deltaserve autoscale profile``; ``--profile FILE`` reuses one), completed on the idle
-static platform before its replay with the ingress costs (``measure_ingress``) and one live replica start-up
-(:func:`measure_live_startup`: its wall time and the CPU it takes from the platform): predicted vs measured
+static platform with the ingress costs (``measure_ingress``, one round before its replay and one after, pooled:
+``pool_ingress``) and one live replica start-up before it (:func:`measure_live_startup`: its wall time and the
+CPU it takes from the platform): predicted vs measured
 p50 / p95 side by side, the ratio and whether it is within 25%.
 
 Surge checks on the autoscaled run: the first time highspeed holds more replicas than before the surge (within
@@ -68,7 +69,7 @@ from deployments.autoscaling.policy import (
     StaticPolicy,
     proportional_split,
 )
-from deployments.autoscaling.profile import Profile, load_profile, measure_ingress
+from deployments.autoscaling.profile import Profile, load_profile, measure_ingress, pool_ingress
 from deployments.autoscaling.signals import Budget
 from deployments.autoscaling.simulator import (
     SimResult,
@@ -397,8 +398,8 @@ def run_live(mode: str, requests: list[TraceRequest], split: dict[str, int], bud
     """One `deltaserve up` (static split, or --autoscale from it with :func:`live_config`), the replay, the
     replica timeline. ``serve_autoscaling`` (the ``ray-default`` run): Serve's own autoscaler, these
     ``autoscaling_config``s applied to the static platform before the warm-up. ``calibrate(url, key)``, when
-    given, runs on the idle platform before the replay (the ingress measurement); its result is returned as
-    ``calibration``."""
+    given, runs on the idle platform before the replay and again after it (the ingress measurement, the two
+    rounds pooled); its result is returned as ``calibration``."""
     from deployments.autoscaling.live import apply_app_config, running_app_config, with_serve_autoscaling
     from tests.deployments.platform_fixture import ray_driver, start_platform
 
@@ -422,6 +423,8 @@ def run_live(mode: str, requests: list[TraceRequest], split: dict[str, int], bud
         with ReplicaPoller(sorted(split), poll_s) as poller:
             outcomes = replay(platform.http_url, platform.key, requests)
             time.sleep(poll_s)
+        if calibrate:  # a second round after the replay: the pair brackets it (pool_ingress says why)
+            calibration["ingress"] = pool_ingress([calibration["ingress"], calibrate(platform.http_url, platform.key)])
         log_tail = [line.replace(platform.key, "<API key>") for line in platform.output[-40:]]  # a page keeps no key
     shown = [a if not a.endswith("platform.json") else "autoscale_live_config.json" for a in args]
     return {"mode": mode, "args": shown, "ready_s": ready_s, "warm_errors": [o.error for o in warm if o.error],
@@ -731,6 +734,19 @@ def _startup_sentence(startup: dict) -> str:
             "busy units.")
 
 
+def _when_clause(ingress: dict) -> str:
+    """When the ingress costs were measured: before the replay, or (records with ``rounds``) before and after it."""
+    rounds = ingress.get("rounds")
+    if not rounds:
+        return f"measured before the {ingress.get('measured_in')} run's replay"
+    medians = "; ".join(
+        f"{name}: " + ", ".join(f"{p} TTFT {v['measured_ttft_s'] * 1e3:.0f} / TPOT {v['measured_tpot_s'] * 1e3:.1f} ms"
+                                for p, v in r["pools"].items())
+        for name, r in zip(("before", "after", *(f"round {i}" for i in range(3, len(rounds) + 1))), rounds))
+    return (f"measured before and after the {ingress.get('measured_in')} run's replay, each request of both rounds "
+            f"pooled (medians {medians})")
+
+
 def _quiet_clause(ingress: dict) -> str:
     """How long the calibration's requests waited for a quiet machine (absent from records made before it did)."""
     q = ingress.get("quiet_wait_s")
@@ -760,8 +776,8 @@ def report(rec: dict, config: PlatformConfig) -> str:
                    f"{p}: {v['request_s'] * 1e3:.0f} ms per request, {v['token_s'] * 1e3:.1f} ms per output token "
                    f"(alone: TTFT {v['measured_ttft_s'] * 1e3:.0f} ms measured vs {v['model_ttft_s'] * 1e3:.0f} ms "
                    f"modelled, TPOT {v['measured_tpot_s'] * 1e3:.1f} vs {v['model_tpot_s'] * 1e3:.1f} ms)"
-                   for p, v in ingress["pools"].items()) + f"; measured before the {ingress.get('measured_in')} run's "
-                   f"replay, loadavg {ingress.get('loadavg_1m')}" + _quiet_clause(ingress) + ")"
+                   for p, v in ingress["pools"].items()) + f"; {_when_clause(ingress)}, loadavg "
+                   f"{ingress.get('loadavg_1m')}" + _quiet_clause(ingress) + ")"
                    if ingress else ": none measured") +
                ". " + _startup_sentence(rec["profile"]["replica_startup"]) +
                " The abstract model (each replica its own hardware, no ingress) is the last column."), ""]

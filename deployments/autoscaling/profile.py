@@ -367,14 +367,9 @@ def measure_ingress(url: str, key: str, models: dict[str, str], lengths: dict[st
             return out
 
         results = asyncio.run(run())[1:]  # the first warms this length's path
-        ttft_m = statistics.median(r["ttft"] for r in results)
-        tpots = [r["tpot"] for r in results if r["tpot"] is not None]
-        tpot_m = statistics.median(tpots) if tpots else 0.0
         ttft_s, tpot_s = alone_model(profile, config, pool, prompt, output)
-        pools[pool] = {"request_s": max(0.0, ttft_m - ttft_s), "token_s": max(0.0, tpot_m - tpot_s),
-                       "measured_ttft_s": ttft_m, "measured_tpot_s": tpot_m, "model_ttft_s": ttft_s,
-                       "model_tpot_s": tpot_s, "prompt_tokens": prompt, "output_tokens": output,
-                       "samples": len(results)}
+        pools[pool] = _ingress_costs([r["ttft"] for r in results], [r["tpot"] for r in results if r["tpot"] is not None],
+                                     ttft_s, tpot_s) | {"prompt_tokens": prompt, "output_tokens": output}
     return {"pools": pools, "url": url, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "loadavg_1m": round(os.getloadavg()[0], 2),
             "quiet_wait_s": {"median": round(statistics.median(waits), 2), "max": round(max(waits), 2)},
@@ -382,3 +377,41 @@ def measure_ingress(url: str, key: str, models: dict[str, str], lengths: dict[st
                       "over 0.5 s (at most 10 s); client-side median TTFT / TPOT minus the "
                       "simulator's abstract model of the same request alone (deployments/autoscaling/profile.py "
                       "measure_ingress)"}
+
+
+def _ingress_costs(ttfts: list[float], tpots: list[float], model_ttft_s: float, model_tpot_s: float) -> dict:
+    """One pool's ingress costs from lone requests' client-side TTFTs and TPOTs (their medians less the
+    abstract model's figures for the same request), the samples kept so that rounds can be pooled."""
+    ttft_m = statistics.median(ttfts)
+    tpot_m = statistics.median(tpots) if tpots else 0.0
+    return {"request_s": max(0.0, ttft_m - model_ttft_s), "token_s": max(0.0, tpot_m - model_tpot_s),
+            "measured_ttft_s": ttft_m, "measured_tpot_s": tpot_m, "model_ttft_s": model_ttft_s,
+            "model_tpot_s": model_tpot_s, "samples": len(ttfts), "ttft_samples_s": list(ttfts),
+            "tpot_samples_s": list(tpots)}
+
+
+def pool_ingress(rounds: list[dict]) -> dict:
+    """One ingress section from several rounds of :func:`measure_ingress` on the same platform (before and after
+    a replay): per pool, the medians over every round's requests. One round takes whatever moment of a shared
+    machine it lands on (docs/autoscaling.md has a round that read a lone request's TPOT 1.5x what the replay
+    then measured), so rounds that bracket the replay outvote such a moment instead of taking it as the
+    platform's cost. ``rounds`` keeps each round's medians, time and load."""
+    if not rounds:
+        raise ValueError("pool_ingress: no rounds")
+    first = rounds[0]
+    pools = {}
+    for pool, v in first["pools"].items():
+        parts = [r["pools"][pool] for r in rounds]
+        pools[pool] = _ingress_costs([x for p in parts for x in p["ttft_samples_s"]],
+                                     [x for p in parts for x in p["tpot_samples_s"]],
+                                     v["model_ttft_s"], v["model_tpot_s"]) | {
+            "prompt_tokens": v["prompt_tokens"], "output_tokens": v["output_tokens"]}
+    waits = [r["quiet_wait_s"] for r in rounds if r.get("quiet_wait_s")]
+    return {"pools": pools, "url": first["url"], "time_utc": first["time_utc"],
+            "loadavg_1m": first.get("loadavg_1m"),
+            "quiet_wait_s": ({"median": statistics.median(w["median"] for w in waits),
+                              "max": max(w["max"] for w in waits)} if waits else None),
+            "rounds": [{"time_utc": r["time_utc"], "loadavg_1m": r.get("loadavg_1m"),
+                        "pools": {p: {k: v[k] for k in ("measured_ttft_s", "measured_tpot_s", "samples")}
+                                  for p, v in r["pools"].items()}} for r in rounds],
+            "source": first["source"] + f"; {len(rounds)} rounds on the same platform pooled (pool_ingress)"}

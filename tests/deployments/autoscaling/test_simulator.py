@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from deployments.autoscaling.profile import DEFAULT_PROFILE, Profile, load_profile
+from deployments.autoscaling.profile import DEFAULT_PROFILE, Profile, _ingress_costs, load_profile, pool_ingress
 from deployments.autoscaling.signals import Budget, Decision
 from deployments.autoscaling.simulator import SimSettings, Simulator, count_reversals, simulate_policies
 from deployments.autoscaling.traces import (
@@ -433,6 +433,32 @@ def test_profile_reads_cores_and_ingress(tmp_path):
     data["replica_startup"]["cpu_s"] = 3 * data["replica_startup"]["seconds"]
     path.write_text(json.dumps(data))
     assert load_profile(path).startup_units == pytest.approx(3.0)
+
+
+def test_ingress_rounds_pool_their_requests(tmp_path):
+    """Two calibration rounds (before and after a replay): the costs are the medians over both rounds' requests
+    less the abstract model's lone request, and a slow round is outvoted rather than taken whole."""
+    def round_(ttfts, tpots, when):
+        return {"pools": {"standard": _ingress_costs(ttfts, tpots, 0.060, 0.002) | {"prompt_tokens": 512,
+                                                                                        "output_tokens": 16}},
+                "url": "http://127.0.0.1:1", "time_utc": when, "loadavg_1m": 0.5,
+                "quiet_wait_s": {"median": 0.5, "max": 0.5}, "source": "test"}
+
+    slow = round_([0.090, 0.091, 0.089], [0.0039, 0.0040, 0.0038], "t0")
+    fast = round_([0.064, 0.065, 0.066, 0.063, 0.067], [0.0021, 0.0022, 0.0023, 0.0020, 0.0024], "t1")
+    assert slow["pools"]["standard"]["request_s"] == pytest.approx(0.030)  # one round alone: its own median
+    pooled = pool_ingress([slow, fast])
+    v = pooled["pools"]["standard"]
+    assert v["samples"] == 8 and v["measured_ttft_s"] == pytest.approx(0.0665)  # median of the 8 TTFTs
+    assert v["request_s"] == pytest.approx(0.0065) and v["token_s"] == pytest.approx(0.00035)
+    assert [r["time_utc"] for r in pooled["rounds"]] == ["t0", "t1"]
+    assert pooled["rounds"][0]["pools"]["standard"]["measured_tpot_s"] == pytest.approx(0.0039)
+    path = tmp_path / "p.json"
+    data = json.loads(DEFAULT_PROFILE.read_text()) | {"ingress": pooled}
+    path.write_text(json.dumps(data))
+    assert load_profile(path).ingress_request_s == {"standard": pytest.approx(0.0065)}
+    with pytest.raises(ValueError, match="no rounds"):
+        pool_ingress([])
 
 
 def test_the_same_run_twice_gives_the_same_result():

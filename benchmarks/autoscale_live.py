@@ -27,6 +27,12 @@ static platform with the ingress costs (``measure_ingress``, one round before it
 CPU it takes from the platform): predicted vs measured
 p50 / p95 side by side, the ratio and whether it is within 25%.
 
+``--replica-cpus CORES`` caps every engine replica process at that many cores (a CFS quota each,
+:mod:`benchmarks.cpu_caps`, as a Kubernetes CPU limit caps a pod), and the profile's measurement with them: a
+replica is then a fixed slice of CPU, so a replica the autoscaler moves is capacity moved, as on a cluster,
+rather than one more process sharing the same cores; the simulator then counts the machine in replicas'
+allowances.
+
 Surge checks on the autoscaled run: the first time highspeed holds more replicas than before the surge (within
 30 s of its start) and the first time after the surge ends that it is back at its pre-surge count (within 60 s).
 
@@ -60,6 +66,7 @@ import httpx
 import numpy as np
 
 from benchmarks.bench_serving import _stream, sized_prompts
+from benchmarks.cpu_caps import CpuCaps, capped_preexec
 from benchmarks.report import RESULTS_DIR
 from deployments.autoscaling.policy import (
     DeltaserveParams,
@@ -193,10 +200,16 @@ def predict(requests: list[TraceRequest], policy, profile: Profile, config: Plat
     return Simulator(requests, policy, profile, config, settings, name=name).run()
 
 
-def measure_profile(out: Path) -> Path:
-    """``deltaserve autoscale profile`` on this machine now (what the live replicas will see)."""
-    subprocess.run([sys.executable, "-m", "deployments.cli.main", "autoscale", "profile", "--out", str(out)],
-                   cwd=ROOT, check=True, timeout=1800)
+def measure_profile(out: Path, replica_cpus: float | None = None) -> Path:
+    """``deltaserve autoscale profile`` on this machine now (what the live replicas will see; with
+    ``replica_cpus``, in a cgroup capped at a replica's allowance, as the replicas will be)."""
+    caps, enter = capped_preexec(replica_cpus, "profile") if replica_cpus else (None, None)
+    try:
+        subprocess.run([sys.executable, "-m", "deployments.cli.main", "autoscale", "profile", "--out", str(out)],
+                       cwd=ROOT, check=True, timeout=1800, preexec_fn=enter)
+    finally:
+        if caps:
+            caps.close()
     return out
 
 
@@ -394,12 +407,13 @@ def _serve_autoscaled(names: list[str], timeout_s: float = 240.0) -> None:
 
 def run_live(mode: str, requests: list[TraceRequest], split: dict[str, int], budget: int, poll_s: float,
              workdir: Path, shape: SurgeShape, calibrate=None, headroom: int = DeltaserveParams().premium_headroom,
-             serve_autoscaling: dict[str, dict] | None = None) -> dict:
+             serve_autoscaling: dict[str, dict] | None = None, replica_cpus: float | None = None) -> dict:
     """One `deltaserve up` (static split, or --autoscale from it with :func:`live_config`), the replay, the
     replica timeline. ``serve_autoscaling`` (the ``ray-default`` run): Serve's own autoscaler, these
     ``autoscaling_config``s applied to the static platform before the warm-up. ``calibrate(url, key)``, when
     given, runs on the idle platform before the replay and again after it (the ingress measurement, the two
-    rounds pooled); its result is returned as ``calibration``."""
+    rounds pooled); its result is returned as ``calibration``. ``replica_cpus``: every engine replica capped at
+    that many cores from its start (:class:`~benchmarks.cpu_caps.CpuCaps`)."""
     from deployments.autoscaling.live import apply_app_config, running_app_config, with_serve_autoscaling
     from tests.deployments.platform_fixture import ray_driver, start_platform
 
@@ -410,7 +424,8 @@ def run_live(mode: str, requests: list[TraceRequest], split: dict[str, int], bud
         cfg.write_text(json.dumps(live_config(shape, headroom)))
         args += ["--autoscale", "--budget", str(budget), "--config", str(cfg)]
     started = time.perf_counter()
-    with start_platform(workdir / mode, *args) as platform, ray_driver(platform):
+    with (start_platform(workdir / mode, *args) as platform, ray_driver(platform),
+          CpuCaps(replica_cpus) if replica_cpus else contextlib.nullcontext()):
         ready_s = time.perf_counter() - started
         if serve_autoscaling:
             apply_app_config(with_serve_autoscaling(running_app_config(), serve_autoscaling))
@@ -606,6 +621,11 @@ def main() -> int:
     ap.add_argument("--premium-headroom", type=int, default=DeltaserveParams().premium_headroom,
                     help="the autoscaled run's spare replicas per highspeed deployment (default %(default)s); with 0 "
                          "highspeed holds only what its signals want, so a surge moves replicas to it")
+    ap.add_argument("--replica-cpus", type=float, default=None, metavar="CORES",
+                    help="cap every engine replica at this many cores (a CFS quota per replica process, as a "
+                         "Kubernetes CPU limit caps a pod: benchmarks/cpu_caps.py; root and a cgroup cpu controller "
+                         "needed), and the profile with them: a replica moved is then capacity moved; default: off, "
+                         "every replica shares the machine's cores")
     ap.add_argument("--out", default=str(RESULTS_DIR), help="directory for autoscale_live.{json,md,png}")
     ap.add_argument("--reuse", default=None, metavar="JSON",
                     help="take the live runs of an earlier run's JSON (same trace) for the modes not run now")
@@ -616,6 +636,8 @@ def main() -> int:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "autoscale_live.md").write_text(report(record, PlatformConfig()) + "\n")
         return 0
+    if args.replica_cpus is not None and not 0.05 <= args.replica_cpus <= (os.cpu_count() or 1):
+        raise SystemExit(f"--replica-cpus must be in [0.05, {os.cpu_count()}], got {args.replica_cpus}")
     if not args.surge_rate > 0:
         raise SystemExit(f"--surge-rate must be > 0, got {args.surge_rate}")
     for name in ("highspeed_prompt", "highspeed_output"):
@@ -627,7 +649,7 @@ def main() -> int:
     requests = surge_trace(shape)
     with tempfile.TemporaryDirectory(prefix="autoscale_live_") as tmp:
         work = Path(tmp)
-        profile = load_profile(args.profile or measure_profile(work / "profile.json"))
+        profile = load_profile(args.profile or measure_profile(work / "profile.json", args.replica_cpus))
         profile_data = json.loads(Path(profile.source).read_text())
         loads = offered_load(requests, profile, config, 0.0)
         split = static_split(loads, args.budget)
@@ -644,6 +666,9 @@ def main() -> int:
             earlier = json.loads(Path(args.reuse).read_text())
             if earlier["shape"] != asdict(shape):
                 raise SystemExit(f"--reuse {args.reuse}: its trace shape differs from this run's")
+            if earlier.get("replica_cpus") != args.replica_cpus:
+                raise SystemExit(f"--reuse {args.reuse}: its replicas were capped at {earlier.get('replica_cpus')} "
+                                 f"cores, this run's at {args.replica_cpus}")
             runs |= {m: r | {"reused_from": args.reuse} for m, r in earlier["runs"].items()}
         if not args.predict_only:
             modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -654,7 +679,7 @@ def main() -> int:
                 print(f"autoscale_live: live run {mode}", file=sys.stderr, flush=True)
                 runs[mode] = run_live(mode, requests, split, args.budget, args.poll_s, work, shape,
                                       calibrate if i == 0 else None, args.premium_headroom,
-                                      serve_autoscaling if mode == "ray-default" else None)
+                                      serve_autoscaling if mode == "ray-default" else None, args.replica_cpus)
                 if runs[mode]["calibration"]:
                     profile_data["ingress"] = runs[mode]["calibration"]["ingress"] | {"measured_in": mode}
                     profile_data["replica_startup"] = (profile_data["replica_startup"]
@@ -662,6 +687,11 @@ def main() -> int:
         if not profile_data.get("ingress"):
             print("autoscale_live: no ingress costs measured or in the profile: machine-sharing predictions "
                   "without them", file=sys.stderr)
+        if args.replica_cpus:  # the machine-sharing mode's unit is a replica's allowance: cores / allowance of them
+            machine = profile_data["machine"]
+            machine["replica_cpus"] = args.replica_cpus
+            machine.setdefault("host_cpu_count", machine.get("cpu_count"))
+            machine["cpu_count"] = machine["host_cpu_count"] / args.replica_cpus
         (work / "profile_live.json").write_text(json.dumps(profile_data))
         shared = load_profile(work / "profile_live.json")
         policies = {"static": lambda: StaticPolicy(split),
@@ -685,8 +715,10 @@ def main() -> int:
         ("surge-rate", shape.highspeed_surge_rate, default.highspeed_surge_rate),
         ("highspeed-prompt", shape.highspeed_prompt, default.highspeed_prompt),
         ("highspeed-output", shape.highspeed_output, default.highspeed_output),
-        ("premium-headroom", args.premium_headroom, DeltaserveParams().premium_headroom)) if value != base)
+        ("premium-headroom", args.premium_headroom, DeltaserveParams().premium_headroom),
+        ("replica-cpus", args.replica_cpus or 0, 0)) if value != base)
     record = {"command": command, "shape": asdict(shape), "budget": args.budget, "static_split": split,
+              "replica_cpus": args.replica_cpus,
               "live_params": asdict(live_params(shape, args.premium_headroom)), "profile": profile_data,
               "requests": len(requests),
               "predicted": predicted, "predicted_abstract": predicted_abstract, "measured": measured, "comparisons": comparisons, "surge_timing": timing, "decision_timing": decided,
@@ -769,9 +801,17 @@ def report(rec: dict, config: PlatformConfig) -> str:
               f"{rec['profile']['decode']['coef']}, start-up {rec['profile']['replica_startup']['seconds']:.2f} s)."),
              ""]
     ingress = rec["profile"].get("ingress")
-    lines += [("Predictions: the simulator in its machine-sharing mode (docs/autoscaling.md): the replicas share this "
-               f"machine's {rec['profile']['machine'].get('cpu_count')} cores (a step that begins while n units are "
-               "busy takes max(1, n / cores) times as long), and every request pays the ingress costs measured on "
+    machine = rec["profile"]["machine"]
+    sharing = (f"the replicas share this machine's {machine.get('cpu_count')} cores (a step that begins while n units "
+               "are busy takes max(1, n / cores) times as long)")
+    if machine.get("replica_cpus"):
+        sharing = (f"every engine replica, live and in the profile, was capped at {machine['replica_cpus']:g} cores "
+                   "(a CFS quota per replica process, as a Kubernetes CPU limit caps a pod: benchmarks/cpu_caps.py), so "
+                   f"this machine's {machine.get('host_cpu_count')} cores hold {machine['cpu_count']:g} replicas' "
+                   "allowances (a step that begins while n replicas are busy takes max(1, n / "
+                   f"{machine['cpu_count']:g}) times as long)")
+    lines += [("Predictions: the simulator in its machine-sharing mode (docs/autoscaling.md): " + sharing + ", "
+               "and every request pays the ingress costs measured on "
                "the idle platform" + (" (" + "; ".join(
                    f"{p}: {v['request_s'] * 1e3:.0f} ms per request, {v['token_s'] * 1e3:.1f} ms per output token "
                    f"(alone: TTFT {v['measured_ttft_s'] * 1e3:.0f} ms measured vs {v['model_ttft_s'] * 1e3:.0f} ms "

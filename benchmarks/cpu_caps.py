@@ -41,12 +41,44 @@ def _v2_root() -> Path | None:
 
 
 def available() -> str | None:
-    """None when this process can make CPU-capped cgroups here, else why not."""
+    """None when this process can make CPU-capped cgroups here (tried: a group made, given a quota, removed),
+    else why not."""
     if os.geteuid() != 0:
         return "needs root (cgroups)"
     if _v1_root() is None and _v2_root() is None:
         return "no cgroup cpu controller at /sys/fs/cgroup/cpu (v1) or /sys/fs/cgroup (v2)"
+    try:
+        CpuCaps(0.5, _checked=True)._group("probe")
+    except OSError as e:
+        return f"cannot make a CPU-capped cgroup here ({e.strerror}: {e.filename})"
+    finally:
+        _remove(_base_path())
     return None
+
+
+def _base_path() -> Path:
+    root = _v1_root() or _v2_root()
+    assert root is not None
+    return root / f"deltaserve-caps-{os.getpid()}"
+
+
+def _remove(base: Path) -> None:
+    """``base``'s groups' processes back to the root group, the groups removed."""
+    root = _v1_root() or _v2_root()
+    for g in sorted(base.glob("*/"), reverse=True):
+        try:
+            for pid in (g / "cgroup.procs").read_text().split():
+                try:
+                    (root / "cgroup.procs").write_text(pid)
+                except OSError:
+                    pass
+            g.rmdir()
+        except OSError:
+            pass
+    try:
+        base.rmdir()
+    except OSError:
+        pass
 
 
 def replica_processes() -> dict[int, str]:
@@ -72,17 +104,15 @@ def replica_processes() -> dict[int, str]:
 class CpuCaps:
     """``cpus`` cores for each engine replica process (and for any process :meth:`cap` is given)."""
 
-    def __init__(self, cpus: float, scan_s: float = 0.2) -> None:
-        why = available()
-        if why:
-            raise RuntimeError(f"CPU caps per replica: {why}")
+    def __init__(self, cpus: float, scan_s: float = 0.2, *, _checked: bool = False) -> None:
         if not 0.01 <= cpus <= (os.cpu_count() or 1):
             raise ValueError(f"CPU caps per replica: cpus must be in [0.01, {os.cpu_count()}], got {cpus!r}")
+        why = None if _checked else available()
+        if why:
+            raise RuntimeError(f"CPU caps per replica: {why}")
         self.cpus, self.scan_s = cpus, scan_s
         self.v1 = _v1_root()
-        base = self.v1 or _v2_root()
-        assert base is not None
-        self.base = base / f"deltaserve-caps-{os.getpid()}"
+        self.base = _base_path()
         self.base.mkdir(exist_ok=True)
         if not self.v1:  # v2: the parent must hand the cpu controller down to its children
             (self.base / "cgroup.subtree_control").write_text("+cpu")
@@ -132,21 +162,7 @@ class CpuCaps:
 
     def close(self) -> None:
         """Processes back to the root group, the cgroups removed."""
-        root = self.v1 or _v2_root()
-        for g in sorted(self.base.glob("*/"), reverse=True):
-            try:
-                for pid in (g / "cgroup.procs").read_text().split():
-                    try:
-                        (root / "cgroup.procs").write_text(pid)
-                    except OSError:
-                        pass
-                g.rmdir()
-            except OSError:
-                pass
-        try:
-            self.base.rmdir()
-        except OSError:
-            pass
+        _remove(self.base)
 
 
 def capped_preexec(cpus: float, label: str):

@@ -9,7 +9,8 @@ fixed slice of CPU that the autoscaler can move between deployments, as it moves
 
 A thread scans the processes every ``scan_s`` and caps every new replica process as it appears (a replica the
 autoscaler starts runs its first fraction of a second uncapped). The quota period is short (10 ms) so a
-capped step is slowed evenly rather than run at full speed and then stopped for most of a 100 ms period.
+capped step is slowed evenly rather than run at full speed and then stopped for most of a 100 ms period
+(longer for allowances under 0.1 core: the kernel takes no quota under 1 ms).
 
 Needs root and the cgroup v1 ``cpu`` controller at ``/sys/fs/cgroup/cpu`` or cgroup v2 with the ``cpu``
 controller at ``/sys/fs/cgroup``; :func:`available` says whether this machine has either. The cgroups are
@@ -18,12 +19,14 @@ removed (their processes moved back to the root group) when the context exits.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from pathlib import Path
 
 ENGINE_PREFIXES = ("prefill-", "decode-", "expert-pool-")  # engine deployments' names (deployments/app.py)
 PERIOD_US = 10_000
+MIN_QUOTA_US = 1_000  # the kernel refuses a CFS quota under 1 ms
 TITLE = "ray::ServeReplica:"  # + "<app>:<deployment>", the process title Serve gives a replica's worker
 
 
@@ -120,16 +123,22 @@ class CpuCaps:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="cpu-caps")
 
+    @property
+    def period_quota_us(self) -> tuple[int, int]:
+        """The CFS period and quota: a 10 ms period, longer where the quota would fall under the kernel's 1 ms."""
+        period = max(PERIOD_US, math.ceil(MIN_QUOTA_US / self.cpus))
+        return period, max(MIN_QUOTA_US, round(self.cpus * period))
+
     def _group(self, name: str) -> Path:
         g = self.base / name
         if not g.exists():
             g.mkdir()
-            quota = int(self.cpus * PERIOD_US)
+            period, quota = self.period_quota_us
             if self.v1:
-                (g / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+                (g / "cpu.cfs_period_us").write_text(str(period))
                 (g / "cpu.cfs_quota_us").write_text(str(quota))
             else:
-                (g / "cpu.max").write_text(f"{quota} {PERIOD_US}")
+                (g / "cpu.max").write_text(f"{quota} {period}")
         return g
 
     def cap(self, pid: int, label: str) -> None:
@@ -180,17 +189,15 @@ if __name__ == "__main__":  # a self-check: one busy process at 0.25 and at the 
     import subprocess
     import sys
 
-    def burn() -> float:
+    def burn(preexec_fn=None) -> float:
         code = "import time\nt=time.perf_counter();n=0\nwhile time.perf_counter()-t<1.0: n+=1\nprint(n)"
-        return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                    check=True).stdout)
+        return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                    preexec_fn=preexec_fn).stdout)
 
     full = burn()
     caps, enter = capped_preexec(0.25, "selfcheck")
     try:
-        code = "import time\nt=time.perf_counter();n=0\nwhile time.perf_counter()-t<1.0: n+=1\nprint(n)"
-        capped = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                                      preexec_fn=enter).stdout)
+        capped = burn(enter)
     finally:
         caps.close()
     print(f"loop iterations in 1 s: full {full:.0f}, capped at 0.25 core {capped:.0f} ({capped / full:.2f}x)")

@@ -47,6 +47,18 @@ def test_a_capped_replica_process_gets_its_quota_and_the_groups_are_removed():
             p.wait()
 
 
-def test_bad_allowance_is_named():
+def test_bad_allowance_is_named_and_a_small_one_gets_a_longer_period():
     with pytest.raises(ValueError, match="cpus must be in"):
         CpuCaps(0.0)
+    caps = CpuCaps(0.05)  # 0.5 ms of a 10 ms period is under the kernel's 1 ms least quota
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert caps.period_quota_us == (20_000, 1_000)
+        assert CpuCaps(0.25, _checked=True).period_quota_us == (10_000, 2_500)
+        caps.cap(idle.pid, "idle")  # the kernel takes the quota and the process
+        assert (caps.base / f"idle-{idle.pid}" / "cgroup.procs").read_text().split() == [str(idle.pid)]
+    finally:
+        caps.close()
+        idle.kill()
+        idle.wait()
+    assert not caps.base.exists()

@@ -19,6 +19,7 @@ removed (their processes moved back to the root group) when the context exits.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import threading
@@ -27,6 +28,7 @@ from pathlib import Path
 ENGINE_PREFIXES = ("prefill-", "decode-", "expert-pool-")  # engine deployments' names (deployments/app.py)
 PERIOD_US = 10_000
 MIN_QUOTA_US = 1_000  # the kernel refuses a CFS quota under 1 ms
+_SEQ = itertools.count()
 TITLE = "ray::ServeReplica:"  # + "<app>:<deployment>", the process title Serve gives a replica's worker
 
 
@@ -51,18 +53,28 @@ def available() -> str | None:
     if _v1_root() is None and _v2_root() is None:
         return "no cgroup cpu controller at /sys/fs/cgroup/cpu (v1) or /sys/fs/cgroup (v2)"
     try:
-        CpuCaps(0.5, _checked=True)._group("probe")
+        probe = CpuCaps(0.5, _checked=True)
+        try:
+            probe._group("probe")
+        finally:
+            probe.close()
     except OSError as e:
         return f"cannot make a CPU-capped cgroup here ({e.strerror}: {e.filename})"
-    finally:
-        _remove(_base_path())
     return None
 
 
-def _base_path() -> Path:
+def cfs_period_quota_us(cpus: float) -> tuple[int, int]:
+    """The CFS period and quota for ``cpus`` cores: a 10 ms period, longer where the quota would fall under the
+    kernel's least (1 ms)."""
+    period = max(PERIOD_US, math.ceil(MIN_QUOTA_US / cpus))
+    return period, max(MIN_QUOTA_US, round(cpus * period))
+
+
+def _new_base() -> Path:
+    """A parent group of its own for each :class:`CpuCaps` (closing one never touches another's groups)."""
     root = _v1_root() or _v2_root()
     assert root is not None
-    return root / f"deltaserve-caps-{os.getpid()}"
+    return root / f"deltaserve-caps-{os.getpid()}-{next(_SEQ)}"
 
 
 def _remove(base: Path) -> None:
@@ -115,25 +127,23 @@ class CpuCaps:
             raise RuntimeError(f"CPU caps per replica: {why}")
         self.cpus, self.scan_s = cpus, scan_s
         self.v1 = _v1_root()
-        self.base = _base_path()
-        self.base.mkdir(exist_ok=True)
+        self.base = _new_base()
+        self.base.mkdir()
         if not self.v1:  # v2: the parent must hand the cpu controller down to its children
-            (self.base / "cgroup.subtree_control").write_text("+cpu")
+            try:
+                (self.base / "cgroup.subtree_control").write_text("+cpu")
+            except OSError:
+                _remove(self.base)
+                raise
         self.capped: dict[int, str] = {}  # pid -> deployment
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="cpu-caps")
-
-    @property
-    def period_quota_us(self) -> tuple[int, int]:
-        """The CFS period and quota: a 10 ms period, longer where the quota would fall under the kernel's 1 ms."""
-        period = max(PERIOD_US, math.ceil(MIN_QUOTA_US / self.cpus))
-        return period, max(MIN_QUOTA_US, round(self.cpus * period))
 
     def _group(self, name: str) -> Path:
         g = self.base / name
         if not g.exists():
             g.mkdir()
-            period, quota = self.period_quota_us
+            period, quota = cfs_period_quota_us(self.cpus)
             if self.v1:
                 (g / "cpu.cfs_period_us").write_text(str(period))
                 (g / "cpu.cfs_quota_us").write_text(str(quota))

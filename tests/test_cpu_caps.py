@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from benchmarks.cpu_caps import CpuCaps, available, replica_processes
+from benchmarks.cpu_caps import CpuCaps, available, cfs_period_quota_us, replica_processes
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=f"no CPU caps here: {available()}")
 
@@ -53,12 +53,14 @@ def test_bad_allowance_is_named_and_a_small_one_gets_a_longer_period():
     caps = CpuCaps(0.05)  # 0.5 ms of a 10 ms period is under the kernel's 1 ms least quota
     idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        assert caps.period_quota_us == (20_000, 1_000)
-        assert CpuCaps(0.25, _checked=True).period_quota_us == (10_000, 2_500)
+        assert cfs_period_quota_us(0.05) == (20_000, 1_000) and cfs_period_quota_us(0.25) == (10_000, 2_500)
         caps.cap(idle.pid, "idle")  # the kernel takes the quota and the process
+        assert (caps.base / f"idle-{idle.pid}" / "cgroup.procs").read_text().split() == [str(idle.pid)]
+        other = CpuCaps(0.25)  # another one, and the probe its construction runs, leave this one's groups alone
+        other.close()
         assert (caps.base / f"idle-{idle.pid}" / "cgroup.procs").read_text().split() == [str(idle.pid)]
     finally:
         caps.close()
         idle.kill()
         idle.wait()
-    assert not caps.base.exists()
+    assert not caps.base.exists() and not other.base.exists()
